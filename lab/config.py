@@ -1,0 +1,367 @@
+"""Structured config schema, Hydra composition and validation.
+
+Every knob of the workbench is a key here. Hydra merges the YAML groups under `configs/` onto these
+dataclasses, so a typo or a bad enum value fails at composition; `validate` then checks what only the
+whole config can tell (aux layers against the target's depth, head_dim against vLLM's CPU kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+# head_dim values vLLM's CPU attention backend can serve (design.md).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class ConfigError(ValueError):
+    """A config problem; str() is the one line shown to the user."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class FcNorm(str, Enum):
+    none = "none"  # EAGLE-3: raw captured states into fc
+    per_layer = "per_layer"  # EAGLE 3.1: one norm per captured layer
+    concat = "concat"  # vLLM/speculators `norm_before_fc`: one norm over the concatenation
+
+
+class NormType(str, Enum):
+    rmsnorm = "rmsnorm"
+    layernorm = "layernorm"
+
+
+class TargetKind(str, Enum):
+    build = "build"  # trained here from the stdlib corpus
+    hf = "hf"  # any local Hugging Face causal LM directory
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    kind: TargetKind = TargetKind.build
+    path: str | None = None  # kind=hf: the model directory
+    # architecture (kind=build)
+    vocab_size: int = 4096
+    num_layers: int = 6
+    hidden_size: int = 256
+    num_heads: int = 4
+    intermediate_size: int = 768
+    max_positions: int = 2048
+    rope_theta: float = 10000.0
+    # corpus and training (kind=build)
+    corpus_bytes: int = 12_000_000
+    seq_len: int = 512
+    batch_size: int = 16
+    steps: int = 380
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    autocast_bf16: bool = False
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    corpus_bytes: int = 12_000_000  # the stdlib selection the sequences are cut from
+    num_sequences: int = 2048  # drafter training sequences
+    seq_len: int = 256
+    heldout_sequences: int = 32  # held-out sequences (validation, rollout probes)
+
+
+@dataclass
+class DrafterConfig:
+    name: str = MISSING
+    fc_norm: FcNorm = FcNorm.none
+    norm_output: bool = False
+    norm_type: NormType = NormType.rmsnorm
+    num_layers: int = 1
+    # vLLM ids: id i = residual stream after i target decoder layers. None: spread over the target.
+    aux_layers: list[int] | None = None
+    init_lm_head_from_target: bool = True
+    rms_norm_eps: float = 1e-6
+
+
+@dataclass
+class TrainConfig:
+    backend: str = "native"
+    ttt_length: int = 3
+    steps: int = 320
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    step_weight: float = 0.8  # loss weight of TTT step i is step_weight**i
+    log_every: int = 10
+    autocast_bf16: bool = False
+
+
+@dataclass
+class EvalConfig:
+    suites: list[str] = field(default_factory=lambda: ["in_dist"])
+    backends: list[str] = field(default_factory=lambda: ["ref"])
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 5])
+    num_prompts: int = 20
+    prompt_len: int = 128
+    max_new_tokens: int = 80
+    temperature: float = 0.0
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = "sqlite:///mlruns/mlflow.db"
+    artifact_root: str = "mlruns/artifacts"
+    log_checkpoint: bool = True
+
+
+@dataclass
+class Config:
+    target: TargetConfig = MISSING
+    data: DataConfig = MISSING
+    drafter: DrafterConfig = MISSING
+    train: TrainConfig = MISSING
+    eval: EvalConfig = MISSING
+    tracking: TrackingConfig = MISSING
+    study: str = "default"  # the MLflow experiment
+    arm: str | None = None  # defaults to drafter.name
+    seed: int = 0
+    cache_dir: str = ".cache/lab"
+    threads: int | None = None  # torch threads; None = all cores
+
+
+_registered = False
+
+
+def register_schemas() -> None:
+    """Put the schema into Hydra's ConfigStore (once per process)."""
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    _registered = True
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """Compose `configs/config.yaml` with Hydra overrides and validate it.
+
+    Raises ConfigError with a one-line message on any problem.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schemas()
+    overrides = list(overrides or [])
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    except Exception as exc:  # Hydra/OmegaConf errors are multi-line; reduce to one line
+        raise _one_line_error(exc, overrides) from None
+    validate(cfg)
+    return cfg
+
+
+def _one_line_error(exc: Exception, overrides: list[str]) -> ConfigError:
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    cause = exc.__cause__ or exc.__context__ or exc
+    key = getattr(cause, "full_key", None) or _override_key(str(exc), overrides)
+    first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        return ConfigError(key, f"unknown config key; allowed under '{parent or '<root>'}': {_known_keys(parent)}")
+    if isinstance(cause, ValidationError):
+        return ConfigError(key, first)
+    if isinstance(exc, MissingConfigException) and "Could not find '" in str(exc):
+        group = str(exc).split("Could not find '")[1].split("/")[0]
+        return ConfigError(group, f"{first.split(': ', 1)[-1]}; available: {', '.join(_group_options(group))}")
+    return ConfigError(key, first)
+
+
+def _known_keys(node: str) -> str:
+    schema = OmegaConf.structured(Config)
+    sub = OmegaConf.select(schema, node) if node else schema
+    return ", ".join(sorted(sub.keys())) if isinstance(sub, DictConfig) else "(none)"
+
+
+def _override_key(text: str, overrides: list[str]) -> str:
+    for ov in overrides:
+        key = ov.split("=", 1)[0].lstrip("+~")
+        if key and key in text:
+            return key
+    return "overrides"
+
+
+def _group_options(group: str) -> list[str]:
+    folder = CONFIG_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def target_shape(cfg: DictConfig) -> dict[str, int]:
+    """num_layers / hidden_size / num_heads of the target, read from config.json for kind=hf."""
+    t = cfg.target
+    if t.kind == TargetKind.hf:
+        if not t.path:
+            raise ConfigError("target.path", "required for target.kind=hf (a local Hugging Face model directory)")
+        cfg_file = Path(t.path) / "config.json"
+        if not Path(t.path).is_dir():
+            raise ConfigError("target.path", f"'{t.path}' is not a directory")
+        if not cfg_file.is_file():
+            raise ConfigError("target.path", f"'{t.path}' has no config.json (expected a Hugging Face model dir)")
+        hf = json.loads(cfg_file.read_text())
+        heads = hf.get("num_attention_heads", 1)
+        return {
+            "num_layers": hf["num_hidden_layers"],
+            "hidden_size": hf["hidden_size"],
+            "num_heads": heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        }
+    return {
+        "num_layers": t.num_layers,
+        "hidden_size": t.hidden_size,
+        "num_heads": t.num_heads,
+        "head_dim": t.hidden_size // t.num_heads,
+    }
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """Low, middle and high layer, distinct (vLLM's (2, L//2, L-3) collides for shallow targets)."""
+    if num_layers < 3:
+        raise ConfigError("target.num_layers", f"at least 3 layers needed to capture 3 aux layers, got {num_layers}")
+    return sorted({1, num_layers // 2, num_layers - 1})
+
+
+def aux_layers(cfg: DictConfig) -> list[int]:
+    layers = cfg.drafter.aux_layers
+    return list(layers) if layers is not None else default_aux_layers(target_shape(cfg)["num_layers"])
+
+
+def _positive(cfg: DictConfig, keys: list[str]) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value is None or value <= 0:
+            raise ConfigError(key, f"must be a positive number, got {value}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need the whole config; raises ConfigError naming the key and what is allowed."""
+    _positive(
+        cfg,
+        [
+            "train.ttt_length",
+            "train.steps",
+            "train.batch_size",
+            "train.lr",
+            "drafter.num_layers",
+            "data.num_sequences",
+            "data.seq_len",
+            "eval.num_prompts",
+            "eval.prompt_len",
+            "eval.max_new_tokens",
+            "train.log_every",
+        ],
+    )
+    if cfg.train.backend != "native":
+        raise ConfigError("train.backend", f"'{cfg.train.backend}' is not available; allowed: native")
+    if not 0 < cfg.train.step_weight <= 1:
+        raise ConfigError("train.step_weight", f"must be in (0, 1], got {cfg.train.step_weight}")
+    if cfg.target.kind == TargetKind.build:
+        _positive(cfg, ["target.vocab_size", "target.num_layers", "target.hidden_size", "target.num_heads"])
+        if cfg.target.hidden_size % cfg.target.num_heads:
+            raise ConfigError(
+                "target.num_heads",
+                f"must divide target.hidden_size={cfg.target.hidden_size}, got {cfg.target.num_heads}",
+            )
+    shape = target_shape(cfg)
+    if shape["head_dim"] not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError(
+            "target.num_heads",
+            f"head_dim {shape['head_dim']} cannot be served by vLLM's CPU attention; "
+            f"allowed head_dim: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}",
+        )
+    layers = aux_layers(cfg)
+    n = shape["num_layers"]
+    if len(layers) == 0:
+        raise ConfigError("drafter.aux_layers", "must name at least one captured target layer")
+    if any(not isinstance(i, int) or i < 0 or i >= n for i in layers):
+        raise ConfigError(
+            "drafter.aux_layers", f"ids must be integers in 0..{n - 1} (target has {n} layers), got {layers}"
+        )
+    if len(set(layers)) != len(layers):
+        raise ConfigError("drafter.aux_layers", f"ids must be distinct, got {layers}")
+    if list(layers) != sorted(layers):
+        raise ConfigError("drafter.aux_layers", f"ids must be ascending, got {layers}")
+    for k in cfg.eval.num_speculative_tokens:
+        if not isinstance(k, int) or k < 1:
+            raise ConfigError(
+                "eval.num_speculative_tokens", f"must be positive integers, got {list(cfg.eval.num_speculative_tokens)}"
+            )
+    known_suites = {"in_dist"}
+    for suite in cfg.eval.suites:
+        if suite not in known_suites:
+            raise ConfigError("eval.suites", f"unknown suite '{suite}'; allowed: {', '.join(sorted(known_suites))}")
+    for backend in cfg.eval.backends:
+        if backend not in {"ref"}:
+            raise ConfigError("eval.backends", f"unknown backend '{backend}'; allowed: ref")
+    if cfg.eval.temperature != 0:
+        raise ConfigError("eval.temperature", "only greedy decoding (0.0) is implemented so far")
+    if cfg.eval.prompt_len + cfg.eval.max_new_tokens + max(cfg.eval.num_speculative_tokens) + 1 > _max_positions(cfg):
+        raise ConfigError(
+            "eval.prompt_len",
+            f"prompt_len + max_new_tokens + k exceeds the target's max positions ({_max_positions(cfg)})",
+        )
+
+
+def _max_positions(cfg: DictConfig) -> int:
+    if cfg.target.kind == TargetKind.hf:
+        hf = json.loads((Path(cfg.target.path) / "config.json").read_text())
+        return int(hf.get("max_position_embeddings", 2048))
+    return cfg.target.max_positions
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+def flatten(cfg: DictConfig) -> dict[str, str]:
+    """`{"drafter.fc_norm": "per_layer", ...}`: the MLflow params of a run."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = json.dumps(node) if isinstance(node, list) else str(node)
+
+    walk("", to_container(cfg))
+    return out
+
+
+def config_hash(cfg: DictConfig) -> str:
+    """Identity of what a run computes: everything except where it is tracked and how it is labelled."""
+    data = to_container(cfg)
+    for key in ("tracking", "study", "arm", "cache_dir", "threads"):
+        data.pop(key, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def arm_name(cfg: DictConfig) -> str:
+    return cfg.arm or cfg.drafter.name

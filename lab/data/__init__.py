@@ -1,0 +1,1 @@
+"""Data: drafter training sequences, evaluation suites and the hidden-state cache."""

@@ -1,0 +1,143 @@
+"""The hidden-state cache: target forward passes over the drafter's training data, computed once.
+
+Layout: `{cache_dir}/hidden/{key}/shard_00000.safetensors ... manifest.json`. Each shard holds
+`input_ids` [n, T] (int32), `aux` [n, T, A*H] and `final` [n, T, H] (bfloat16). The key hashes the
+target fingerprint, the data config and the captured layer ids; the manifest records each shard's
+sha256, checked on every load (a corrupted or truncated shard triggers a rebuild, never silent use).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from lab.fsutil import file_lock, sha256_file, short_hash, staging_dir
+from lab.target import Target, capture
+
+MANIFEST = "manifest.json"
+SHARD_SEQUENCES = 256
+STORE_DTYPE = torch.bfloat16
+FORMAT = 1
+
+
+@dataclass
+class HiddenStates:
+    input_ids: torch.Tensor  # [N, T] int64
+    aux: torch.Tensor  # [N, T, A*H] bf16
+    final: torch.Tensor  # [N, T, H] bf16
+    path: Path
+    stats: dict = field(default_factory=dict)  # hit, seconds, target_forward_tokens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def cache_key(target: Target, dcfg: DictConfig, aux_layers: list[int]) -> str:
+    data = OmegaConf.to_container(dcfg, enum_to_str=True)
+    return short_hash({"target": target.fingerprint, "data": data, "aux": list(aux_layers), "format": FORMAT})
+
+
+def _verify(path: Path) -> dict | None:
+    """The manifest if every shard is present with its recorded hash, else None."""
+    mf = path / MANIFEST
+    if not mf.is_file():
+        return None
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError:
+        return None
+    for shard in manifest["shards"]:
+        f = path / shard["file"]
+        if not f.is_file() or sha256_file(f) != shard["sha256"]:
+            print(f"hidden-state cache: {f} is missing or does not match its manifest hash; rebuilding")
+            return None
+    return manifest
+
+
+def _read(path: Path, manifest: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    parts = [load_file(str(path / s["file"])) for s in manifest["shards"]]
+    return (
+        torch.cat([p["input_ids"] for p in parts]).long(),
+        torch.cat([p["aux"] for p in parts]),
+        torch.cat([p["final"] for p in parts]),
+    )
+
+
+def build_or_load(
+    target: Target,
+    sequences: torch.Tensor,
+    dcfg: DictConfig,
+    aux_layers: list[int],
+    cache_dir: str | Path,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> HiddenStates:
+    """Captured states for `sequences` [N, T]; runs the target only if the cache entry is absent."""
+    key = cache_key(target, dcfg, aux_layers)
+    path = Path(cache_dir) / "hidden" / key
+    started = time.time()
+    manifest = _verify(path)
+    hit = manifest is not None
+    if not hit:
+        with file_lock(path.with_suffix(".lock")):
+            manifest = _verify(path)  # another process may have built it while we waited
+            hit = manifest is not None
+            if not hit:
+                manifest = _build(target, sequences, aux_layers, path, key, batch_size, progress)
+    ids, aux, final = _read(path, manifest)
+    if not torch.equal(ids, sequences.long()):
+        raise RuntimeError(f"hidden-state cache {path}: stored tokens differ from the requested sequences")
+    stats = {
+        "hit": hit,
+        "seconds": time.time() - started,
+        "target_forward_tokens": 0 if hit else int(sequences.numel()),
+        "bytes": sum(s["bytes"] for s in manifest["shards"]),
+    }
+    return HiddenStates(ids, aux, final, path, stats)
+
+
+def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> dict:
+    shards = []
+    with staging_dir(path) as tmp:
+        bar = tqdm(total=len(sequences), desc="hidden-state cache", unit="seq", disable=not progress)
+        for index, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
+            chunk = sequences[start : start + SHARD_SEQUENCES]
+            aux, final = [], []
+            for batch in chunk.split(batch_size):
+                out = capture(target.model, batch, aux_layers)
+                aux.append(out.aux.to(STORE_DTYPE))
+                final.append(out.final.to(STORE_DTYPE))
+                bar.update(len(batch))
+            name = f"shard_{index:05d}.safetensors"
+            save_file(
+                {"input_ids": chunk.to(torch.int32).contiguous(), "aux": torch.cat(aux), "final": torch.cat(final)},
+                str(tmp / name),
+            )
+            shards.append(
+                {
+                    "file": name,
+                    "sha256": sha256_file(tmp / name),
+                    "num_sequences": len(chunk),
+                    "bytes": (tmp / name).stat().st_size,
+                }
+            )
+        bar.close()
+        manifest = {
+            "key": key,
+            "format": FORMAT,
+            "target": target.fingerprint,
+            "aux_layers": list(aux_layers),
+            "num_sequences": len(sequences),
+            "seq_len": sequences.shape[1],
+            "dtype": str(STORE_DTYPE),
+            "shards": shards,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest

@@ -1,0 +1,6 @@
+"""The EAGLE-3 / 3.1 drafter and its checkpoint formats."""
+
+from lab.drafter.formats import load_native, save_native
+from lab.drafter.model import DrafterSpec, Eagle3Drafter, KVCache, TTTCache
+
+__all__ = ["DrafterSpec", "Eagle3Drafter", "KVCache", "TTTCache", "load_native", "save_native"]

@@ -1,0 +1,320 @@
+"""The EAGLE-3 / EAGLE 3.1 drafter, every toggle in one readable file.
+
+Data flow of one drafting step (H = hidden size, A = number of captured target layers):
+
+    step 0:    aux [B,T,A*H_t] --(fc_norm?)--> fc --> h [B,T,H]         (projected target features)
+    step j>0:  h = feedback(h_out of step j-1): raw h_out (EAGLE-3) or norm(h_out) (EAGLE 3.1)
+    layer 0:   x = concat(input_layernorm(embed(tok)), hidden_norm(h))  [B,T,2H]
+               h = h + attn(x);  h = h + mlp(post_attention_layernorm(h))
+    layers>0:  plain Llama decoder layers on h
+    output:    logits = lm_head(norm(h_out))   (both versions: lm_head always sees norm(h))
+
+Parameter names follow vLLM's `llama_eagle3.py` / TorchSpec's checkpoints (`fc.weight`,
+`fc_norm.{i}.weight`, `layers.0.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`), so the
+state dict exports without renaming. Attention goes through a cache object that decides what a
+query may see: `KVCache` for decoding (all earlier positions), `TTTCache` for training (the causal
+context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class DrafterSpec:
+    hidden_size: int  # drafter width = the target's embedding width
+    target_hidden_size: int  # width of each captured target state
+    aux_layer_ids: list[int]  # captured target layers (vLLM ids)
+    vocab_size: int  # target vocabulary (embedding rows)
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_kv_heads: int | None = None
+    draft_vocab_size: int | None = None  # lm_head rows; None = vocab_size
+    num_layers: int = 1
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    fc_norm: str = "none"  # none | per_layer (EAGLE 3.1) | concat (norm_before_fc)
+    norm_output: bool = False  # EAGLE 3.1: feed norm(h) back instead of h
+    norm_type: str = "rmsnorm"  # kind of the fc norms: rmsnorm | layernorm
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.num_kv_heads = self.num_kv_heads or self.num_heads
+        self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
+        self.aux_layer_ids = list(self.aux_layer_ids)
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: computed in float32, scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
+    if norm_type == "rmsnorm":
+        return RMSNorm(dim, eps)
+    if norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"drafter.norm_type: unknown '{norm_type}'; allowed: rmsnorm, layernorm")
+
+
+class Rotary(nn.Module):
+    """Llama (neox-style) rotary embedding; positions [B, T] -> cos, sin [B, 1, T, head_dim]."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention caches: what a query may attend to
+
+
+class KVCache:
+    """Decoding cache: per layer K, V [B, kv_heads, S, d]. New queries see every cached position and
+    the new ones causally. `crop(n)` drops rejected drafts. If `record` is set, attention
+    probabilities of each call are kept in `last_probs` (per layer, [B, heads, T_new, S_total])."""
+
+    def __init__(self, num_layers: int, record: bool = False):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.record = record
+        self.last_probs: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def crop(self, n: int) -> None:
+        self.k = [None if k is None else k[:, :, :n] for k in self.k]
+        self.v = [None if v is None else v[:, :, :n] for v in self.v]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        past = 0 if self.k[layer] is None else self.k[layer].shape[2]
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=2)
+        keys, values = _repeat_kv(self.k[layer], q.shape[1]), _repeat_kv(self.v[layer], q.shape[1])
+        t_new, s_total = q.shape[2], keys.shape[2]
+        scores = (q @ keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        q_pos = torch.arange(t_new, device=q.device)[:, None] + past
+        k_pos = torch.arange(s_total, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        if self.record:
+            self.last_probs[layer] = probs
+        return probs @ values
+
+
+class TTTCache:
+    """Training-time-test cache (TorchSpec/EAGLE): step 0 keys are causal over the sequence; the keys
+    of later steps are only visible at their own position (the diagonal), because at position t step
+    i stands for the i-th token drafted after t."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k[layer].append(_repeat_kv(k, q.shape[1]))
+        self.v[layer].append(_repeat_kv(v, q.shape[1]))
+        k0, v0 = self.k[layer][0], self.v[layer][0]
+        t = q.shape[2]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        causal = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        causal = causal.masked_fill(mask, float("-inf"))
+        diag = [(q * ki).sum(-1, keepdim=True) * scale for ki in self.k[layer][1:]]  # [B, h, T, 1] each
+        probs = torch.softmax(torch.cat([causal, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+        out = probs[..., :t] @ v0
+        for i, vi in enumerate(self.v[layer][1:]):
+            out = out + probs[..., t + i : t + i + 1] * vi
+        return out
+
+
+def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    groups = num_heads // x.shape[1]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# decoder layer
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DrafterSpec, in_width: int, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(in_width, spec.num_heads * spec.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_width, spec.num_kv_heads * spec.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_width, spec.num_kv_heads * spec.head_dim, bias=False)
+        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = cache.attend(self.layer_idx, q, k, v)  # [B, heads, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Layer 0 is EAGLE's: attention reads [input_layernorm(embed), hidden_norm(h)] (2H wide) and the
+    residual is the raw h (TorchSpec; vLLM's default `norm_before_residual=False`). Later layers
+    are plain pre-norm Llama layers on h."""
+
+    def __init__(self, spec: DrafterSpec, layer_idx: int):
+        super().__init__()
+        self.is_first = layer_idx == 0
+        h = spec.hidden_size
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        if self.is_first:
+            self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, 2 * h if self.is_first else h, layer_idx)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.mlp = MLP(h, spec.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, h: torch.Tensor, cos, sin, cache) -> torch.Tensor:
+        if self.is_first:
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        else:
+            x = self.input_layernorm(h)  # [B, T, H]
+        h = h + self.self_attn(x, cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# the drafter
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, spec: DrafterSpec):
+        super().__init__()
+        self.spec = spec
+        h, ht = spec.hidden_size, spec.target_hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)  # copied from the target, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        # EAGLE-3 fuses the raw captured states; EAGLE 3.1 normalizes each one first so every captured
+        # layer enters fc at the same scale; `concat` is vLLM/speculators' single norm_before_fc.
+        if spec.fc_norm == "per_layer":
+            self.fc_norm = nn.ModuleList(make_norm(spec.norm_type, ht, spec.rms_norm_eps) for _ in range(spec.num_aux))
+        elif spec.fc_norm == "concat":
+            self.input_norm = make_norm(spec.norm_type, ht * spec.num_aux, spec.rms_norm_eps)
+        elif spec.fc_norm != "none":
+            raise ValueError(f"drafter.fc_norm: unknown '{spec.fc_norm}'; allowed: none, per_layer, concat")
+        self.fc = nn.Linear(ht * spec.num_aux, h, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(h, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        if spec.draft_vocab_size != spec.vocab_size:
+            # target id = draft id + d2t[draft id]
+            self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """Captured target states [B, T, A*H_t] -> the step-0 hidden state [B, T, H]."""
+        if self.spec.fc_norm == "per_layer":  # EAGLE 3.1
+            chunks = aux.chunk(self.spec.num_aux, dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        elif self.spec.fc_norm == "concat":
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def feedback(self, h_out: torch.Tensor) -> torch.Tensor:
+        """What the next drafting step receives: raw h (EAGLE-3) or norm(h) (EAGLE 3.1 norm_output)."""
+        return self.norm(h_out) if self.spec.norm_output else h_out
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits; lm_head always reads norm(h) in both versions."""
+        return self.lm_head(self.norm(h_out))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids] if hasattr(self, "d2t") else draft_ids
+
+    def forward(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | TTTCache
+    ) -> torch.Tensor:
+        """One drafting step over T positions: tokens [B, T], hidden [B, T, H], positions [B, T] ->
+        h_out [B, T, H] (pre-norm residual stream)."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        cos, sin = self.rotary(positions)
+        h = hidden
+        for layer in self.layers:
+            h = layer(embeds, h, cos, sin, cache)
+        return h
+
+    def unroll(self, input_ids: torch.Tensor, aux: torch.Tensor, length: int) -> list[torch.Tensor]:
+        """Training-time test over a batch: `length` steps, inputs shifted by one token per step.
+
+        input_ids [B, T] are the tokens x_1..x_T that follow each target position (already shifted by
+        one, as in TorchSpec), aux [B, T, A*H_t] the target states at positions 0..T-1. Step i at
+        position t embeds x_{t+i+1}, sits at RoPE position t+i and predicts x_{t+i+2}. Returns the
+        h_out of every step ([B, T, H] each).
+        """
+        b, t = input_ids.shape
+        cache = TTTCache(len(self.layers))
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        hidden = self.project(aux)
+        outs = []
+        for step in range(length):
+            h_out = self(input_ids, hidden, positions + step, cache)
+            outs.append(h_out)
+            hidden = self.feedback(h_out)
+            input_ids = F.pad(input_ids[:, 1:], (0, 1))  # next token; the tail is masked by the loss
+        return outs

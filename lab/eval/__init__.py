@@ -1,0 +1,1 @@
+"""Evaluation: the reference speculative decoder and its metrics."""

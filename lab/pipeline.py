@@ -1,0 +1,87 @@
+"""One run, end to end: target -> hidden-state cache -> TTT training -> evaluation -> MLflow."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lab import track
+from lab.config import arm_name, aux_layers, config_hash, flatten
+from lab.data.cache import build_or_load
+from lab.data.suites import load_suite
+from lab.data.text import training_sequences
+from lab.drafter import save_native
+from lab.eval.run import evaluate_suite
+from lab.target import load as load_target
+from lab.train.ttt import init_drafter, train
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    metrics: dict[str, float | list[float]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def set_threads(cfg: DictConfig) -> None:
+    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+
+
+def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None) -> RunResult:
+    set_threads(cfg)
+    seconds: dict[str, float] = {}
+    t0 = time.time()
+    target = load_target(cfg, progress=progress)
+    seconds["target"] = time.time() - t0
+    layers = aux_layers(cfg)
+    train_seqs, _heldout = training_sequences(target.tokenizer, cfg.data)
+    t0 = time.time()
+    hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
+    seconds["cache"] = time.time() - t0
+
+    arm = arm_name(cfg)
+    tags = {
+        "study": cfg.study,
+        "arm": arm,
+        "seed": cfg.seed,
+        "git_commit": track.git_commit(),
+        "config_hash": config_hash(cfg),
+        "target": target.fingerprint,
+    }
+    t = cfg.tracking
+    with track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun:
+        mlrun.log_params({**flatten(cfg), "resolved.aux_layers": layers})
+        mlrun.log_dict(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "config.yaml")
+        setup = {"cache/hit": float(hidden.stats["hit"]), "cache/seconds": hidden.stats["seconds"]}
+        if "val_loss" in target.info:
+            setup["target/val_loss"] = target.info["val_loss"]
+        mlrun.log_metrics(setup)
+
+        drafter = init_drafter(target, cfg.drafter, layers, cfg.seed)
+        t0 = time.time()
+        result = train(
+            drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, log=mlrun.log_metrics, progress=progress
+        )
+        seconds["train"] = time.time() - t0
+        if t.log_checkpoint:
+            with tempfile.TemporaryDirectory() as tmp:
+                mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
+
+        metrics: dict[str, float | list[float]] = {"train/final_tokens_per_s": result.tokens_per_s}
+        t0 = time.time()
+        for name in cfg.eval.suites:
+            suite = load_suite(name, target.tokenizer, cfg)
+            mlrun.log_dict({"suite": suite.describe(), "prompts": suite.prompts}, f"suites/{name}.json")
+            metrics.update(
+                evaluate_suite(target.model, drafter, suite, list(cfg.eval.num_speculative_tokens), progress=progress)
+            )
+        seconds["eval"] = time.time() - t0
+        metrics.update({f"time/{k}_s": v for k, v in seconds.items()})
+        mlrun.log_curves(metrics)
+        return RunResult(mlrun.id, metrics, seconds)

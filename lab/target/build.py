@@ -1,0 +1,190 @@
+"""Build the tiny target here: a byte-level BPE tokenizer and a small Llama trained on the corpus.
+
+The result is a plain Hugging Face model directory (`save_pretrained`, tokenizer included) cached
+under a key that hashes the target config and the corpus manifest, so it is built once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from lab.fsutil import file_lock, short_hash, staging_dir
+from lab.target import corpus
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD]
+_ARCH_KEYS = (
+    "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "intermediate_size",
+    "max_positions",
+    "rope_theta",
+    "corpus_bytes",
+    "seq_len",
+    "batch_size",
+    "steps",
+    "lr",
+    "warmup_steps",
+    "autocast_bf16",
+    "seed",
+)
+BUILD_INFO = "build.json"
+
+
+def target_key(tcfg: DictConfig, files: list[corpus.CorpusFile]) -> str:
+    spec = {k: OmegaConf.select(tcfg, k) for k in _ARCH_KEYS}
+    return short_hash({"spec": spec, "corpus": corpus.manifest_hash(files), "format": 1})
+
+
+def target_dir(tcfg: DictConfig, cache_dir: str | Path) -> Path:
+    files = corpus.select(tcfg.corpus_bytes)
+    return Path(cache_dir) / "targets" / f"{tcfg.name}-{target_key(tcfg, files)}"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (GPT-2 style pre-tokenization) wrapped as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All texts as one token stream, each file followed by EOS."""
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def llama_config(tcfg: DictConfig, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_hidden_layers=tcfg.num_layers,
+        num_attention_heads=tcfg.num_heads,
+        num_key_value_heads=tcfg.num_heads,
+        head_dim=tcfg.hidden_size // tcfg.num_heads,
+        max_position_embeddings=tcfg.max_positions,
+        rope_theta=tcfg.rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+
+
+def _lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _windows(stream: torch.Tensor, seq_len: int, starts: torch.Tensor) -> torch.Tensor:
+    offsets = torch.arange(seq_len)
+    return stream[starts[:, None] + offsets[None, :]]
+
+
+@torch.no_grad()
+def validation_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int = 64) -> float:
+    """Mean next-token loss over non-overlapping held-out windows."""
+    model.eval()
+    n = min(max_windows, (len(stream) - 1) // seq_len)
+    if n == 0:
+        raise ValueError("held-out corpus is shorter than one sequence")
+    starts = torch.arange(n) * seq_len
+    losses = []
+    for chunk in _windows(stream, seq_len, starts).split(8):
+        losses.append(model(input_ids=chunk, labels=chunk).loss.item() * len(chunk))
+    return sum(losses) / n
+
+
+def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Path:
+    """Return the cached target dir, training it first if needed (waits if another process is)."""
+    from transformers import LlamaForCausalLM
+
+    files = corpus.select(tcfg.corpus_bytes)
+    final = Path(cache_dir) / "targets" / f"{tcfg.name}-{target_key(tcfg, files)}"
+    if (final / BUILD_INFO).is_file():
+        return final
+    with file_lock(final.with_suffix(".lock")):
+        if (final / BUILD_INFO).is_file():
+            return final
+        started = time.time()
+        torch.manual_seed(tcfg.seed)
+        train_texts = [f.read() for f in files if not f.heldout]
+        heldout_texts = [f.read() for f in files if f.heldout]
+        tokenizer = train_tokenizer(train_texts, tcfg.vocab_size)
+        train_stream = encode_stream(tokenizer, train_texts)
+        heldout_stream = encode_stream(tokenizer, heldout_texts)
+
+        model = LlamaForCausalLM(llama_config(tcfg, tokenizer))
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        gen = torch.Generator().manual_seed(tcfg.seed)
+        bar = tqdm(range(tcfg.steps), desc=f"target {tcfg.name}", disable=not progress, unit="step")
+        loss_ema = None
+        for step in bar:
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr)
+            starts = torch.randint(0, len(train_stream) - tcfg.seq_len - 1, (tcfg.batch_size,), generator=gen)
+            batch = _windows(train_stream, tcfg.seq_len, starts)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
+                loss = model(input_ids=batch, labels=batch).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+            bar.set_postfix(loss=f"{loss_ema:.3f}")
+        val_loss = validation_loss(model, heldout_stream, tcfg.seq_len)
+        seconds = time.time() - started
+        with staging_dir(final) as tmp:
+            model.save_pretrained(tmp / "model")
+            tokenizer.save_pretrained(tmp / "model")
+            info = {
+                "name": tcfg.name,
+                "key": final.name,
+                "config": OmegaConf.to_container(tcfg, enum_to_str=True),
+                "val_loss": val_loss,
+                "train_loss_ema": loss_ema,
+                "seconds": seconds,
+                "train_tokens": tcfg.steps * tcfg.batch_size * tcfg.seq_len,
+                "corpus": {
+                    "root": "python stdlib",
+                    "manifest_sha256": corpus.manifest_hash(files),
+                    "files": [[f.relpath, f.sha256, f.heldout] for f in files],
+                    "train_stream_tokens": len(train_stream),
+                    "heldout_stream_tokens": len(heldout_stream),
+                },
+            }
+            (tmp / BUILD_INFO).write_text(json.dumps(info, indent=1))
+        if progress:
+            print(f"target {tcfg.name}: built in {seconds:.0f}s, validation loss {val_loss:.3f} -> {final}")
+    return final

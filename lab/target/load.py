@@ -1,0 +1,72 @@
+"""Load the configured target (built here, or a local Hugging Face directory) ready for inference."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from lab.config import ConfigError, TargetKind
+from lab.fsutil import short_hash
+from lab.target import build as target_build
+
+
+@dataclass
+class Target:
+    model: Any  # a transformers causal LM in eval mode
+    tokenizer: Any
+    path: Path
+    fingerprint: str  # identifies weights + tokenizer for cache keys
+    info: dict = field(default_factory=dict)  # build.json of a built target
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+
+def _hf_fingerprint(path: Path) -> str:
+    files = sorted(p for p in path.iterdir() if p.is_file())
+    return short_hash([(p.name, p.stat().st_size) for p in files] + [(path / "config.json").read_text()])
+
+
+def load(cfg: DictConfig, progress: bool = True) -> Target:
+    """The target of `cfg.target`, float32, eval mode; builds the tiny target on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = cfg.target
+    if t.kind == TargetKind.build:
+        root = target_build.build(t, cfg.cache_dir, progress=progress)
+        path, info = root / "model", json.loads((root / target_build.BUILD_INFO).read_text())
+        fingerprint = root.name
+    else:
+        path = Path(t.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError("target.path", f"'{path}' is not a Hugging Face model directory (no config.json)")
+        info, fingerprint = {}, f"hf-{_hf_fingerprint(path)}"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("target.path", f"cannot load a causal LM from '{path}': {str(exc).splitlines()[0]}") from None
+    model.eval().requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint, info=info)

@@ -1,0 +1,161 @@
+"""MLflow conventions: the one module of the workbench that imports mlflow.
+
+The tracking URI is always set explicitly (never MLflow's implicit default); a local store is a
+sqlite database plus an artifact folder, created on first use. One experiment per study; a run
+carries the study's tags (study, arm, seed, git_commit, config_hash), the flattened resolved config
+as params, the config file and the drafter checkpoint as artifacts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+_PARAM_BATCH = 100  # MLflow's limit per log_batch call
+
+
+def local_paths(uri: str) -> Path | None:
+    """The sqlite file behind a local URI, or None for a server URI."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///") :])
+    return None
+
+
+def configure(uri: str) -> None:
+    """Point MLflow at `uri`, creating the local database's folder if needed."""
+    db = local_paths(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+
+
+def ensure_experiment(name: str, artifact_root: str) -> str:
+    """The experiment id of `name`, created with its artifacts under `artifact_root` if new."""
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if "://" not in artifact_root:
+        root = Path(artifact_root).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        location = root.as_uri()
+    elif artifact_root:
+        location = artifact_root
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except mlflow.exceptions.MlflowException:  # created concurrently by another worker
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class Run:
+    """A thin handle on an active MLflow run, so callers never touch mlflow themselves."""
+
+    def __init__(self, run_id: str):
+        self.id = run_id
+        self._client = MlflowClient()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), _PARAM_BATCH):
+            mlflow.log_params(dict(items[i : i + _PARAM_BATCH]))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_curves(self, metrics: dict[str, float | list[float]], first_step: int = 1) -> None:
+        """Scalars as they are; a list is a curve, one point per step (first_step, first_step+1, ...)."""
+        import time
+
+        now = int(time.time() * 1000)
+        batch = []
+        for key, value in metrics.items():
+            if isinstance(value, list):
+                batch += [Metric(key, float(v), now, first_step + i) for i, v in enumerate(value)]
+            else:
+                batch.append(Metric(key, float(value), now, 0))
+        for i in range(0, len(batch), 1000):
+            self._client.log_batch(self.id, metrics=batch[i : i + 1000])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def log_artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
+        mlflow.log_artifacts(str(folder), artifact_path=artifact_path)
+
+    def log_dict(self, data: dict, name: str) -> None:
+        mlflow.log_dict(data, name)
+
+
+@contextlib.contextmanager
+def start_run(
+    uri: str,
+    artifact_root: str,
+    experiment: str,
+    run_name: str,
+    tags: dict[str, Any],
+    parent_run_id: str | None = None,
+) -> Iterator[Run]:
+    """An MLflow run that ends FINISHED, FAILED on an exception, KILLED on Ctrl-C."""
+    configure(uri)
+    exp_id = ensure_experiment(experiment, artifact_root)
+    active = mlflow.start_run(
+        experiment_id=exp_id,
+        run_name=run_name,
+        nested=parent_run_id is not None,
+        parent_run_id=parent_run_id,
+        tags={k: str(v) for k, v in tags.items()},
+    )
+    try:
+        yield Run(active.info.run_id)
+    except KeyboardInterrupt:
+        mlflow.end_run(status="KILLED")
+        raise
+    except BaseException:
+        mlflow.end_run(status="FAILED")
+        raise
+    else:
+        mlflow.end_run(status="FINISHED")
+
+
+def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]:
+    configure(uri)
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string=filter_string)
+
+
+def ui_command(uri: str, artifact_root: str, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
+    """The `mlflow ui` command line over the configured store (bound to loopback by default)."""
+    cmd = ["mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    if "://" not in artifact_root:
+        cmd += ["--default-artifact-root", Path(artifact_root).resolve().as_uri()]
+    return cmd

@@ -1,0 +1,1 @@
+"""Drafter training: the native TTT trainer."""

@@ -1,0 +1,207 @@
+"""The native training-time-test (TTT) trainer, with TorchSpec / EAGLE semantics.
+
+Per batch: the target distribution is recomputed from the cached post-norm final state with the
+target's lm_head (TorchSpec's LazyTarget); the drafter is unrolled `ttt_length` steps (step 0 from
+the projected target features, later steps from its own feedback); step i's loss is the forward KL
+(soft cross-entropy) against the target at position t+i+1, weighted step_weight**i.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from lab.data.cache import HiddenStates
+from lab.drafter import DrafterSpec, Eagle3Drafter
+from lab.target import Target, target_logits
+
+MetricsFn = Callable[[dict[str, float], int], None]
+
+
+def init_drafter(target: Target, dcfg: DictConfig, aux_layers: list[int], seed: int) -> Eagle3Drafter:
+    """A fresh drafter shaped after the target: its width, heads and MLP; embedding copied and frozen."""
+    tc = target.model.config
+    heads = tc.num_attention_heads
+    spec = DrafterSpec(
+        hidden_size=tc.hidden_size,
+        target_hidden_size=tc.hidden_size,
+        aux_layer_ids=list(aux_layers),
+        vocab_size=tc.vocab_size,
+        num_heads=heads,
+        num_kv_heads=getattr(tc, "num_key_value_heads", heads),
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate_size=tc.intermediate_size,
+        num_layers=dcfg.num_layers,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=_rope_theta(tc),
+        rms_norm_eps=dcfg.rms_norm_eps,
+        fc_norm=str(dcfg.fc_norm.value if hasattr(dcfg.fc_norm, "value") else dcfg.fc_norm),
+        norm_output=bool(dcfg.norm_output),
+        norm_type=str(dcfg.norm_type.value if hasattr(dcfg.norm_type, "value") else dcfg.norm_type),
+    )
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(spec)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.embed_weight)
+        if dcfg.init_lm_head_from_target:
+            drafter.lm_head.weight.copy_(target.lm_head_weight)
+    return drafter
+
+
+def _rope_theta(model_config) -> float:
+    params = getattr(model_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor  # weighted sum over steps (differentiable)
+    plosses: list[float]
+    accs: list[float]
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    final: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    length: int,
+    step_weight: float,
+) -> StepStats:
+    """TTT loss of one batch: input_ids [B, T] (x_0..x_{T-1}), aux [B, T, A*H], final [B, T, H]."""
+    t = input_ids.shape[1]
+    if length >= t:
+        raise ValueError(f"train.ttt_length={length} must be below data.seq_len={t}")
+    with torch.no_grad():
+        target_p = torch.softmax(target_logits(final.float(), lm_head_weight.float()), dim=-1)  # [B, T, V]
+    shifted = F.pad(input_ids[:, 1:], (0, 1))  # position t carries x_{t+1}
+    outs = drafter.unroll(shifted, aux.float(), length)
+    loss = torch.zeros(())
+    plosses, accs = [], []
+    for i, h_out in enumerate(outs):
+        n = t - 1 - i  # positions whose target p_{t+i+1} exists
+        logits = drafter.logits(h_out[:, :n]).float()
+        p = target_p[:, i + 1 : i + 1 + n]
+        ploss = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        acc = (logits.argmax(-1) == p.argmax(-1)).float().mean()
+        loss = loss + (step_weight**i) * ploss
+        plosses.append(ploss.item())
+        accs.append(acc.item())
+    return StepStats(loss, plosses, accs)
+
+
+def simulated_acc_len(accs: list[float]) -> float:
+    """sum over k of prod_{j<=k} acc_j (design.md)."""
+    total, running = 0.0, 1.0
+    for a in accs:
+        running *= a
+        total += running
+    return total
+
+
+def lr_at(step: int, tcfg: DictConfig) -> float:
+    if step < tcfg.warmup_steps:
+        return tcfg.lr * (step + 1) / tcfg.warmup_steps
+    progress = (step - tcfg.warmup_steps) / max(1, tcfg.steps - tcfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return tcfg.lr * (tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * cosine)
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    tokens_per_s: float
+    last: dict[str, float] = field(default_factory=dict)
+
+
+def train(
+    drafter: Eagle3Drafter,
+    data: HiddenStates,
+    lm_head_weight: torch.Tensor,
+    tcfg: DictConfig,
+    seed: int,
+    log: MetricsFn | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train in place; `log(metrics, step)` receives the averaged metrics every `log_every` steps."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(data), generator=gen)
+    cursor = 0
+    drafter.train()
+    window: list[StepStats] = []
+    window_tokens, window_start = 0, time.time()
+    started = time.time()
+    last: dict[str, float] = {}
+    bar = tqdm(
+        range(tcfg.steps),
+        desc=f"train {drafter.spec.fc_norm}/{drafter.spec.norm_output}",
+        unit="step",
+        disable=not progress,
+    )
+    for step in bar:
+        if cursor + tcfg.batch_size > len(order):
+            order, cursor = torch.randperm(len(data), generator=gen), 0
+        idx = order[cursor : cursor + tcfg.batch_size]
+        cursor += tcfg.batch_size
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, tcfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
+            stats = ttt_loss(
+                drafter,
+                data.input_ids[idx],
+                data.aux[idx],
+                data.final[idx],
+                lm_head_weight,
+                tcfg.ttt_length,
+                tcfg.step_weight,
+            )
+        if not torch.isfinite(stats.loss):
+            raise FloatingPointError(f"non-finite training loss at step {step}: {stats.loss.item()}")
+        opt.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+        opt.step()
+        window.append(stats)
+        window_tokens += int(data.input_ids[idx].numel())
+        if (step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps:
+            elapsed = time.time() - window_start
+            last = _summarize(window, window_tokens / max(elapsed, 1e-9), opt.param_groups[0]["lr"])
+            if log is not None:
+                log(last, step + 1)
+            bar.set_postfix(
+                loss=f"{last['train/loss']:.3f}",
+                acc0=f"{last['train/acc_0']:.2f}",
+                sal=f"{last['train/simulated_acc_len']:.2f}",
+            )
+            window, window_tokens, window_start = [], 0, time.time()
+    drafter.eval()
+    seconds = time.time() - started
+    tokens = tcfg.steps * tcfg.batch_size * data.input_ids.shape[1]
+    return TrainResult(tcfg.steps, seconds, tokens / seconds, last)
+
+
+def _summarize(window: list[StepStats], tokens_per_s: float, lr: float) -> dict[str, float]:
+    n = len(window)
+    length = len(window[0].accs)
+    accs = [sum(s.accs[i] for s in window) / n for i in range(length)]
+    metrics = {
+        "train/loss": sum(s.loss.item() for s in window) / n,
+        "train/tokens_per_s": tokens_per_s,
+        "train/lr": lr,
+        "train/simulated_acc_len": simulated_acc_len(accs),
+    }
+    for i in range(length):
+        metrics[f"train/ploss_{i}"] = sum(s.plosses[i] for s in window) / n
+        metrics[f"train/acc_{i}"] = accs[i]
+    return metrics

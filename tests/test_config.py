@@ -1,0 +1,107 @@
+"""Every config file composes; bad input fails before any work with one line naming the key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lab.config import CONFIG_DIR, ConfigError, aux_layers, compose, config_hash, flatten
+
+
+def _group_entries():
+    for group in sorted(p for p in CONFIG_DIR.iterdir() if p.is_dir()):
+        for entry in sorted(group.glob("*.yaml")):
+            yield group.name, entry.stem
+
+
+@pytest.fixture()
+def fake_hf(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4, "max_position_embeddings": 4096}
+        )
+    )
+    return tmp_path
+
+
+@pytest.mark.parametrize(("group", "name"), list(_group_entries()))
+def test_every_config_file_composes(group, name, fake_hf):
+    overrides = [f"{group}={name}"]
+    if (group, name) == ("target", "hf"):
+        overrides.append(f"target.path={fake_hf}")
+    cfg = compose(overrides)
+    assert cfg[group] is not None
+    assert flatten(cfg)  # every value is representable as an MLflow param
+
+
+def test_presets_set_the_toggles():
+    e3, e31 = compose(["drafter=eagle3"]), compose(["drafter=eagle31"])
+    assert (e3.drafter.fc_norm.value, e3.drafter.norm_output) == ("none", False)
+    assert (e31.drafter.fc_norm.value, e31.drafter.norm_output) == ("per_layer", True)
+    assert config_hash(e3) != config_hash(e31)
+
+
+def test_each_toggle_is_settable_on_its_own():
+    cfg = compose(
+        [
+            "drafter.fc_norm=concat",
+            "drafter.norm_type=layernorm",
+            "drafter.num_layers=2",
+            "drafter.aux_layers=[0,2,4]",
+            "train.ttt_length=5",
+            "eval.num_speculative_tokens=[2,7]",
+        ]
+    )
+    assert cfg.drafter.fc_norm.value == "concat" and cfg.drafter.norm_type.value == "layernorm"
+    assert cfg.drafter.num_layers == 2 and aux_layers(cfg) == [0, 2, 4]
+    assert cfg.train.ttt_length == 5 and list(cfg.eval.num_speculative_tokens) == [2, 7]
+    assert compose([]).drafter.norm_output is False
+    assert compose(["drafter.norm_output=true"]).drafter.norm_output is True
+
+
+def test_default_aux_layers_spread_over_the_target():
+    assert aux_layers(compose([])) == [1, 3, 5]
+    assert aux_layers(compose(["target=micro"])) == [1, 2, 3]
+
+
+BAD = [
+    (["drafter.foo=1"], "drafter.foo", "unknown config key"),
+    (["drafter.fc_norm=both"], "drafter.fc_norm", "per_layer"),
+    (["drafter.norm_type=batchnorm"], "drafter.norm_type", "layernorm"),
+    (["drafter.norm_output=maybe"], "drafter.norm_output", "bool"),
+    (["drafter.aux_layers=[1,3,9]"], "drafter.aux_layers", "0..5"),
+    (["drafter.aux_layers=[1,1,3]"], "drafter.aux_layers", "distinct"),
+    (["drafter.aux_layers=[3,1,5]"], "drafter.aux_layers", "ascending"),
+    (["target.num_heads=16"], "target.num_heads", "head_dim 16"),
+    (["target.num_heads=3"], "target.num_heads", "divide"),
+    (["train.ttt_length=0"], "train.ttt_length", "positive"),
+    (["train.lr=fast"], "train.lr", "Float"),
+    (["drafter=eagle4"], "drafter", "eagle31"),
+    (["eval.num_speculative_tokens=[0]"], "eval.num_speculative_tokens", "positive"),
+    (["eval.suites=[nope]"], "eval.suites", "in_dist"),
+    (["target=hf"], "target.path", "required"),
+    (["target=hf", "target.path=/nonexistent/model"], "target.path", "not a directory"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "hint"), BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_names_the_key_and_what_is_allowed(overrides, key, hint):
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    message = str(info.value)
+    assert message.startswith(key), message
+    assert hint in message, message
+    assert "\n" not in message
+
+
+def test_cli_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "run", "drafter.fc_norm=both"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: drafter.fc_norm"), proc.stderr
+    assert not (tmp_path / "mlruns").exists()  # nothing was started

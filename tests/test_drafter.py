@@ -1,0 +1,125 @@
+"""The drafter: EAGLE-3 vs 3.1 paths, TTT attention == decoding attention, checkpoint round trip."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from lab.drafter import DrafterSpec, Eagle3Drafter, KVCache, load_native, save_native
+
+COMBOS = list(itertools.product(["none", "per_layer", "concat"], [False, True]))
+
+
+def make(fc_norm="none", norm_output=False, num_layers=1, norm_type="rmsnorm", seed=0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    spec = DrafterSpec(
+        hidden_size=64,
+        target_hidden_size=64,
+        aux_layer_ids=[1, 2, 3],
+        vocab_size=100,
+        num_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        num_layers=num_layers,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+        norm_type=norm_type,
+    )
+    drafter = Eagle3Drafter(spec).eval()
+    with torch.no_grad():  # non-trivial norm weights so that a skipped norm would show
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+    return drafter
+
+
+def test_eagle3_computes_exactly_eagle3():
+    d = make("none", False)
+    names = [n for n, _ in d.named_parameters()]
+    assert not any(n.startswith(("fc_norm", "input_norm")) for n in names)
+    aux = torch.randn(1, 5, 192) * torch.tensor([1.0] * 64 + [5.0] * 64 + [20.0] * 64)
+    torch.testing.assert_close(d.project(aux), aux @ d.fc.weight.T)  # raw states into fc
+    h = torch.randn(1, 5, 64) * 7
+    assert d.feedback(h) is h  # raw residual stream fed back
+    torch.testing.assert_close(d.logits(h), d.lm_head(d.norm(h)))
+
+
+def test_eagle31_normalizes_each_captured_layer_and_feeds_back_norm_h():
+    d = make("per_layer", True)
+    assert len(d.fc_norm) == 3
+    aux = torch.randn(1, 5, 192) * torch.tensor([1.0] * 64 + [5.0] * 64 + [20.0] * 64)
+    chunks = aux.chunk(3, -1)
+    expected = torch.cat([n(c) for n, c in zip(d.fc_norm, chunks, strict=True)], -1) @ d.fc.weight.T
+    torch.testing.assert_close(d.project(aux), expected)
+    # scale invariance per layer: multiplying one captured layer does not change the projection
+    scaled = torch.cat([chunks[0] * 50, chunks[1], chunks[2]], -1)
+    torch.testing.assert_close(d.project(scaled), d.project(aux), atol=1e-4, rtol=1e-4)
+    h = torch.randn(1, 5, 64) * 7
+    torch.testing.assert_close(d.feedback(h), d.norm(h))
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize(("fc_norm", "norm_output"), COMBOS)
+def test_ttt_unroll_equals_step_by_step_decoding(fc_norm, norm_output, num_layers):
+    """Training's TTT attention (causal step 0 + diagonal later steps) sees exactly what the decoder sees."""
+    d = make(fc_norm, norm_output, num_layers)
+    t, length = 10, 3
+    tokens = torch.randint(0, 100, (1, t))
+    aux = torch.randn(1, t, 192) * 3
+    with torch.no_grad():
+        outs = d.unroll(tokens, aux, length)
+        for pos in (0, 4, t - length):
+            cache = KVCache(num_layers)
+            ctx = d(tokens[:, : pos + 1], d.project(aux[:, : pos + 1]), torch.arange(pos + 1)[None], cache)
+            torch.testing.assert_close(ctx[:, pos], outs[0][:, pos], atol=1e-5, rtol=1e-4)
+            h = ctx[:, pos : pos + 1]
+            for step in range(1, length):
+                h = d(tokens[:, pos + step : pos + step + 1], d.feedback(h), torch.tensor([[pos + step]]), cache)
+                torch.testing.assert_close(h[:, 0], outs[step][:, pos], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("fc_norm", "norm_output", "norm_type"), [(*c, "rmsnorm") for c in COMBOS] + [("per_layer", True, "layernorm")]
+)
+def test_checkpoint_round_trip(tmp_path, fc_norm, norm_output, norm_type):
+    d = make(fc_norm, norm_output, norm_type=norm_type)
+    save_native(d, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["fc_norm"] == (fc_norm == "per_layer") and cfg["norm_before_fc"] == (fc_norm == "concat")
+    assert cfg["norm_output"] == norm_output
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    back = load_native(tmp_path)
+    tokens, aux = torch.randint(0, 100, (2, 7)), torch.randn(2, 7, 192)
+    with torch.no_grad():
+        a = [d.logits(h) for h in d.unroll(tokens, aux, 3)]
+        b = [back.logits(h) for h in back.unroll(tokens, aux, 3)]
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_checkpoint_keys_follow_vllm_names(tmp_path):
+    from safetensors.torch import load_file
+
+    save_native(make("per_layer", True), tmp_path)
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {
+        "fc.weight",
+        "fc_norm.0.weight",
+        "fc_norm.2.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.mlp.gate_proj.weight",
+    } <= keys
+    assert "d2t" not in keys  # equal vocabularies: no d2t
+
+
+def test_missing_checkpoint_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_native(tmp_path)

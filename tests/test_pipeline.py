@@ -1,0 +1,61 @@
+"""`lab run` end to end on the micro target: fast, and its run is in MLflow with the design's keys."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.slow
+def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
+    start = time.time()
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "run", *micro_overrides, "drafter=eagle31", "study=pipeline-test"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=workdir,
+    )
+    elapsed = time.time() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert elapsed < 120, elapsed
+    run_id = proc.stdout.strip().splitlines()[-1]
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlruns' / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["pipeline-test"], output_format="list")
+    assert [r.info.run_id for r in runs] == [run_id]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    for key in [
+        "train/loss",
+        "train/ploss_0",
+        "train/acc_2",
+        "train/simulated_acc_len",
+        "train/tokens_per_s",
+        "eval/in_dist/ref/k3/al",
+        "eval/in_dist/ref/k3/accept_rate",
+        "eval/in_dist/ref/k3/tokens_per_s",
+        "eval/in_dist/ref/k3/speedup",
+    ]:
+        assert key in metrics, key
+    assert metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
+    tags, params = run.data.tags, run.data.params
+    assert {"study", "arm", "seed", "git_commit", "config_hash"} <= set(tags)
+    assert tags["arm"] == "eagle31" and tags["study"] == "pipeline-test"
+    assert params["drafter.fc_norm"] == "per_layer" and params["drafter.norm_output"] == "True"
+    assert params["train.ttt_length"] == "3"
+    client = mlflow.MlflowClient()
+    curve = client.get_metric_history(run_id, "eval/in_dist/ref/k3/accept_rate")
+    assert sorted(m.step for m in curve) == [1, 2, 3]
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"checkpoint", "config.yaml"} <= artifacts
+    ckpt = {a.path for a in client.list_artifacts(run_id, "checkpoint")}
+    assert {"checkpoint/config.json", "checkpoint/model.safetensors"} <= ckpt

@@ -1,0 +1,52 @@
+"""The micro target builds fast and is cached; capture follows vLLM's layer-id convention."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lab.target import capture, corpus, load
+
+
+def test_corpus_selection_is_recorded_and_split():
+    files = corpus.select(200_000)
+    assert sum(f.size for f in files) >= 200_000
+    assert any(f.heldout for f in files) and any(not f.heldout for f in files)
+    assert corpus.manifest_hash(files) == corpus.manifest_hash(corpus.select(200_000))
+
+
+def test_micro_target_builds_under_30s_and_is_reused(micro_cfg, micro_target):
+    info = micro_target.info
+    assert info["seconds"] < 30, info["seconds"]
+    assert info["val_loss"] < 6.0  # well below log(512)=6.24: it learned something
+    assert (micro_target.path / "tokenizer.json").is_file()
+    start = time.time()
+    again = load(micro_cfg, progress=False)
+    assert again.fingerprint == micro_target.fingerprint
+    assert time.time() - start < 10
+    assert again.info["seconds"] == info["seconds"]  # same build, not a new one
+
+
+def test_aux_id_i_is_the_residual_stream_after_i_layers(micro_target):
+    model = micro_target.model
+    ids = torch.randint(0, micro_target.vocab_size, (2, 12))
+    seen = {}
+    hooks = [
+        layer.register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__(i + 1, out[0] if isinstance(out, tuple) else out)
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
+    try:
+        cap = capture(model, ids, [0, 1, 2, 3])
+    finally:
+        for h in hooks:
+            h.remove()
+    h = micro_target.hidden_size
+    torch.testing.assert_close(cap.aux[..., :h], model.model.embed_tokens(ids))
+    for slot, layer_id in enumerate([1, 2, 3]):
+        torch.testing.assert_close(cap.aux[..., (slot + 1) * h : (slot + 2) * h], seen[layer_id])
+    # final is post-norm: the target's own logits come from it
+    logits = model(input_ids=ids).logits
+    torch.testing.assert_close(cap.final @ micro_target.lm_head_weight.T, logits, atol=1e-4, rtol=1e-4)
