@@ -62,8 +62,8 @@ class TargetConfig:
     # corpus and training (kind=build)
     corpus_bytes: int = 12_000_000
     seq_len: int = 512
-    batch_size: int = 16
-    steps: int = 380
+    batch_size: int = 8
+    steps: int = 360
     lr: float = 2e-3
     warmup_steps: int = 20
     autocast_bf16: bool = False

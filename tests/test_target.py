@@ -50,3 +50,22 @@ def test_aux_id_i_is_the_residual_stream_after_i_layers(micro_target):
     # final is post-norm: the target's own logits come from it
     logits = model(input_ids=ids).logits
     torch.testing.assert_close(cap.final @ micro_target.lm_head_weight.T, logits, atol=1e-4, rtol=1e-4)
+
+
+def test_any_local_hf_directory_loads_as_target(micro_overrides, micro_target):
+    from lab.config import compose
+
+    cfg = compose([*micro_overrides, "target=hf", f"target.path={micro_target.path}"])
+    target = load(cfg, progress=False)
+    assert target.fingerprint.startswith("hf-") and target.num_layers == micro_target.num_layers
+    ids = torch.randint(0, target.vocab_size, (1, 8))
+    torch.testing.assert_close(capture(target.model, ids, [1, 2]).aux, capture(micro_target.model, ids, [1, 2]).aux)
+
+
+def test_directory_without_config_json_is_refused(tmp_path):
+    import pytest
+
+    from lab.config import ConfigError, compose
+
+    with pytest.raises(ConfigError, match=r"^target\.path: .*no config\.json"):
+        compose(["target=hf", f"target.path={tmp_path}"])

@@ -31,7 +31,7 @@ def capture(
 ) -> Captured:
     """One target forward over `input_ids` [B, T], continuing `past_key_values` if given (with
     `use_cache` the returned cache holds these positions too)."""
-    out = model.model(
+    out = model.base_model(
         input_ids=input_ids,
         past_key_values=past_key_values,
         use_cache=use_cache or past_key_values is not None,

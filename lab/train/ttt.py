@@ -81,17 +81,20 @@ def ttt_loss(
     if length >= t:
         raise ValueError(f"train.ttt_length={length} must be below data.seq_len={t}")
     with torch.no_grad():
-        target_p = torch.softmax(target_logits(final.float(), lm_head_weight.float()), dim=-1)  # [B, T, V]
+        target_z = target_logits(final.float(), lm_head_weight.float())  # [B, T, V]
+        target_top = target_z.argmax(-1)  # [B, T]
+        target_p = torch.softmax(target_z, dim=-1)
     shifted = F.pad(input_ids[:, 1:], (0, 1))  # position t carries x_{t+1}
     outs = drafter.unroll(shifted, aux.float(), length)
     loss = torch.zeros(())
     plosses, accs = [], []
+    vocab = target_p.shape[-1]
     for i, h_out in enumerate(outs):
         n = t - 1 - i  # positions whose target p_{t+i+1} exists
         logits = drafter.logits(h_out[:, :n]).float()
-        p = target_p[:, i + 1 : i + 1 + n]
-        ploss = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-        acc = (logits.argmax(-1) == p.argmax(-1)).float().mean()
+        # soft-label cross-entropy == forward KL up to the target's (constant) entropy; fused kernel
+        ploss = F.cross_entropy(logits.reshape(-1, vocab), target_p[:, i + 1 : i + 1 + n].reshape(-1, vocab))
+        acc = (logits.detach().argmax(-1) == target_top[:, i + 1 : i + 1 + n]).float().mean()
         loss = loss + (step_weight**i) * ploss
         plosses.append(ploss.item())
         accs.append(acc.item())
