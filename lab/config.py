@@ -117,6 +117,9 @@ class EvalConfig:
     prompt_len: int = 128
     max_new_tokens: int = 80
     temperature: float = 0.0
+    probes: bool = True  # drift probes during reference decoding
+    n_sink: int = 1  # leading positions counted as the attention sink
+    rollout_depth: int | None = None  # teacher-forced rollout depth; None = 3 x train.ttt_length
 
 
 @dataclass
@@ -320,6 +323,8 @@ def validate(cfg: DictConfig) -> None:
     for backend in cfg.eval.backends:
         if backend not in {"ref"}:
             raise ConfigError("eval.backends", f"unknown backend '{backend}'; allowed: ref")
+    if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
+        raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     if cfg.eval.temperature != 0:
         raise ConfigError("eval.temperature", "only greedy decoding (0.0) is implemented so far")
     if cfg.eval.prompt_len + cfg.eval.max_new_tokens + max(cfg.eval.num_speculative_tokens) + 1 > _max_positions(cfg):
@@ -327,6 +332,10 @@ def validate(cfg: DictConfig) -> None:
             "eval.prompt_len",
             f"prompt_len + max_new_tokens + k exceeds the target's max positions ({_max_positions(cfg)})",
         )
+
+
+def rollout_depth(cfg: DictConfig) -> int:
+    return cfg.eval.rollout_depth or min(3 * cfg.train.ttt_length, cfg.data.seq_len - 2)
 
 
 def _max_positions(cfg: DictConfig) -> int:

@@ -12,12 +12,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lab import track
-from lab.config import arm_name, aux_layers, config_hash, flatten
+from lab.config import arm_name, aux_layers, config_hash, flatten, rollout_depth
 from lab.data.cache import build_or_load
 from lab.data.suites import load_suite
 from lab.data.text import training_sequences
 from lab.drafter import save_native
-from lab.eval.run import evaluate_suite
+from lab.eval.run import evaluate_suite, heldout_metrics
 from lab.target import load as load_target
 from lab.train.ttt import init_drafter, train
 
@@ -40,7 +40,7 @@ def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None
     target = load_target(cfg, progress=progress)
     seconds["target"] = time.time() - t0
     layers = aux_layers(cfg)
-    train_seqs, _heldout = training_sequences(target.tokenizer, cfg.data)
+    train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
     t0 = time.time()
     hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
     seconds["cache"] = time.time() - t0
@@ -78,9 +78,13 @@ def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None
         for name in cfg.eval.suites:
             suite = load_suite(name, target.tokenizer, cfg)
             mlrun.log_dict({"suite": suite.describe(), "prompts": suite.prompts}, f"suites/{name}.json")
+            ks = list(cfg.eval.num_speculative_tokens)
             metrics.update(
-                evaluate_suite(target.model, drafter, suite, list(cfg.eval.num_speculative_tokens), progress=progress)
+                evaluate_suite(
+                    target.model, drafter, suite, ks, progress, probes=cfg.eval.probes, n_sink=cfg.eval.n_sink
+                )
             )
+        metrics.update(heldout_metrics(target, drafter, heldout, rollout_depth(cfg)))
         seconds["eval"] = time.time() - t0
         metrics.update({f"time/{k}_s": v for k, v in seconds.items()})
         mlrun.log_curves(metrics)

@@ -47,6 +47,9 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     ]:
         assert key in metrics, key
     assert metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
+    for key in ["sink_mass", "self_mass", "context_mass", "feedback_norm", "norm_growth"]:
+        assert f"drift/in_dist/k3/{key}" in metrics, key
+    assert "eval/in_dist/rollout/acc" in metrics and "drift/fc_share" in metrics
     tags, params = run.data.tags, run.data.params
     assert {"study", "arm", "seed", "git_commit", "config_hash"} <= set(tags)
     assert tags["arm"] == "eagle31" and tags["study"] == "pipeline-test"
@@ -55,6 +58,9 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     client = mlflow.MlflowClient()
     curve = client.get_metric_history(run_id, "eval/in_dist/ref/k3/accept_rate")
     assert sorted(m.step for m in curve) == [1, 2, 3]
+    rollout = client.get_metric_history(run_id, "eval/in_dist/rollout/acc")
+    assert len(rollout) == 3 * 3  # 3 x train.ttt_length, beyond the training depth
+    assert len(client.get_metric_history(run_id, "drift/fc_share")) == 3  # one per captured layer
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"checkpoint", "config.yaml"} <= artifacts
     ckpt = {a.path for a in client.list_artifacts(run_id, "checkpoint")}

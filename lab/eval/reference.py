@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lab.drafter import Eagle3Drafter, KVCache
+from lab.eval.probes import DriftProbes
 from lab.target import capture
 
 
@@ -91,8 +92,11 @@ def speculative_decode(
     prompt: list[int],
     max_new_tokens: int,
     k: int,
+    probes: DriftProbes | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """Greedy chain speculative decoding; returns the new tokens and the round statistics."""
+    """Greedy chain speculative decoding; returns the new tokens and the round statistics. With
+    `probes`, the drafter's attention and feedback at each drafting step are recorded (read-only:
+    the decoded tokens are the same)."""
     aux_layers = drafter.spec.aux_layer_ids
     lm_head = target_model.get_output_embeddings().weight
     stats = DecodeStats()
@@ -105,7 +109,7 @@ def speculative_decode(
     generated = [pending]
     n = len(prompt)  # committed tokens in the target cache
 
-    dcache = KVCache(len(drafter.layers))
+    dcache = KVCache(len(drafter.layers), record=probes is not None)
     # drafter context: entry t = (features of t, token t+1), for the positions just committed
     ctx_tokens, ctx_aux, ctx_start = prompt[1:] + [pending], cap.aux, 0
 
@@ -116,8 +120,11 @@ def speculative_decode(
         for j in range(k):
             tok = int(drafter.to_target_ids(drafter.logits(h_out)[0, -1].argmax()))
             drafts.append(tok)
+            fed_back = drafter.feedback(h_out)
+            if probes is not None:  # keys from index n on were drafted in this round
+                probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
             if j + 1 < k:
-                h_out = drafter(torch.tensor([[tok]]), drafter.feedback(h_out), torch.tensor([[n + j]]), dcache)
+                h_out = drafter(torch.tensor([[tok]]), fed_back, torch.tensor([[n + j]]), dcache)
         verify = capture(target_model, torch.tensor([[pending] + drafts]), aux_layers, past_key_values=target_cache)
         preds = (verify.final[0] @ lm_head.T).argmax(-1).tolist()  # preds[i] follows drafts[:i]
         accepted = 0

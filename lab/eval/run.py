@@ -5,17 +5,29 @@ A value that is a list is a curve (logged with step = position 1..k).
 
 from __future__ import annotations
 
+import torch
 from tqdm.auto import tqdm
 
 from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter
+from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
 from lab.eval.reference import DecodeStats, greedy_decode, speculative_decode
+from lab.target import capture
 
 Metrics = dict[str, float | list[float]]
 
 
-def evaluate_suite(target_model, drafter: Eagle3Drafter, suite: Suite, ks: list[int], progress: bool = True) -> Metrics:
-    """AL, acceptance curves, tokens/s and speedup over plain greedy decoding, per k, side by side."""
+def evaluate_suite(
+    target_model,
+    drafter: Eagle3Drafter,
+    suite: Suite,
+    ks: list[int],
+    progress: bool = True,
+    probes: bool = False,
+    n_sink: int = 1,
+) -> Metrics:
+    """AL, acceptance curves, tokens/s and speedup over plain greedy decoding, per k, side by side;
+    with `probes`, the drift curves `drift/{suite}/k{k}/...` too."""
     drafter.eval()
     # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
     greedy_decode(target_model, suite.prompts[0], 4)
@@ -24,13 +36,14 @@ def evaluate_suite(target_model, drafter: Eagle3Drafter, suite: Suite, ks: list[
     base_seconds, base_tokens = 0.0, 0
     totals = {k: DecodeStats() for k in ks}
     matches = dict.fromkeys(ks, 0)
+    drift = {k: DriftProbes(k, n_sink) for k in ks} if probes else {}
     bar = tqdm(suite.prompts, desc=f"eval {suite.name} k={ks}", unit="prompt", disable=not progress)
     for prompt in bar:
         reference, seconds = greedy_decode(target_model, prompt, suite.max_new_tokens)
         base_seconds += seconds
         base_tokens += len(reference)
         for k in ks:
-            tokens, stats = speculative_decode(target_model, drafter, prompt, suite.max_new_tokens, k)
+            tokens, stats = speculative_decode(target_model, drafter, prompt, suite.max_new_tokens, k, drift.get(k))
             totals[k].merge(stats)
             matches[k] += int(tokens == reference)
     metrics: Metrics = {f"eval/{suite.name}/ref/baseline_tokens_per_s": base_tokens / base_seconds}
@@ -42,4 +55,19 @@ def evaluate_suite(target_model, drafter: Eagle3Drafter, suite: Suite, ks: list[
         metrics[f"{prefix}/tokens_per_s"] = st.generated / st.seconds
         metrics[f"{prefix}/speedup"] = base_seconds / st.seconds
         metrics[f"{prefix}/exact_match"] = matches[k] / len(suite.prompts)
+        for name, curve in drift[k].curves().items() if probes else ():
+            metrics[f"drift/{suite.name}/k{k}/{name}"] = curve
     return metrics
+
+
+@torch.no_grad()
+def heldout_metrics(
+    target, drafter: Eagle3Drafter, heldout: torch.Tensor, depth: int, suite: str = "in_dist"
+) -> Metrics:
+    """Teacher-forced rollout accuracy per depth and the captured layers' fc shares, on held-out text."""
+    cap = capture(target.model, heldout, drafter.spec.aux_layer_ids)
+    top = (cap.final @ target.lm_head_weight.T).argmax(-1)
+    return {
+        f"eval/{suite}/rollout/acc": rollout_accuracy(drafter, heldout, cap.aux, top, depth),
+        "drift/fc_share": fc_share(drafter, cap.aux),
+    }

@@ -1,0 +1,92 @@
+"""Drift probes (design.md): where the drafter's attention goes along a speculation chain, how the
+fed-back hidden state grows, how the captured layers share the fused input, and teacher-forced
+rollout accuracy far beyond the training depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lab.drafter import Eagle3Drafter
+
+
+@dataclass
+class DriftProbes:
+    """Accumulates per-drafting-step (j = 1..k) sums over heads, layers, rounds and prompts."""
+
+    k: int
+    n_sink: int = 1
+    sink: list[float] = field(default_factory=list)
+    self_: list[float] = field(default_factory=list)
+    feedback_rms: list[float] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in ("sink", "self_", "feedback_rms"):
+            setattr(self, name, [0.0] * self.k)
+        self.count = [0] * self.k
+
+    def record(self, j: int, probs: list[torch.Tensor], first_self_key: int, fed_back: torch.Tensor) -> None:
+        """Step j (1-based): `probs` per layer [B, heads, 1, S] for the step's query; keys at index
+        >= first_self_key came from the drafter's own output in this round; `fed_back` is the hidden
+        state this step passes on."""
+        rows = torch.stack([p[..., -1, :] for p in probs])  # [layers, B, heads, S]
+        self.sink[j - 1] += rows[..., : self.n_sink].sum(-1).mean().item()
+        self.self_[j - 1] += rows[..., first_self_key:].sum(-1).mean().item()
+        self.feedback_rms[j - 1] += fed_back.float().pow(2).mean().sqrt().item()
+        self.count[j - 1] += 1
+
+    def merge(self, other: DriftProbes) -> None:
+        for name in ("sink", "self_", "feedback_rms", "count"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)])
+
+    def curves(self) -> dict[str, list[float]]:
+        n = [max(c, 1) for c in self.count]
+        sink = [s / c for s, c in zip(self.sink, n, strict=True)]
+        self_mass = [s / c for s, c in zip(self.self_, n, strict=True)]
+        fb = [s / c for s, c in zip(self.feedback_rms, n, strict=True)]
+        return {
+            "sink_mass": sink,
+            "self_mass": self_mass,
+            "context_mass": [1.0 - a - b for a, b in zip(sink, self_mass, strict=True)],
+            "feedback_norm": fb,
+            "norm_growth": [f / fb[0] if fb[0] else 0.0 for f in fb],
+        }
+
+
+@torch.no_grad()
+def fc_share(drafter: Eagle3Drafter, aux: torch.Tensor) -> list[float]:
+    """Share of each captured layer in the fc output: ||W_i x_i|| / sum_j ||W_j x_j||, averaged over
+    positions, where x_i is captured layer i as fc sees it (after fc_norm when enabled)."""
+    spec = drafter.spec
+    chunks = aux.float().chunk(spec.num_aux, dim=-1)
+    if spec.fc_norm == "per_layer":
+        chunks = tuple(norm(c) for norm, c in zip(drafter.fc_norm, chunks, strict=True))
+    elif spec.fc_norm == "concat":
+        chunks = drafter.input_norm(aux.float()).chunk(spec.num_aux, dim=-1)
+    blocks = drafter.fc.weight.float().chunk(spec.num_aux, dim=-1)  # [H, H_t] each
+    norms = torch.stack([(c @ w.T).norm(dim=-1) for c, w in zip(chunks, blocks, strict=True)])  # [A, ...]
+    shares = norms / norms.sum(0, keepdim=True).clamp_min(1e-12)
+    return shares.flatten(1).mean(1).tolist()
+
+
+@torch.no_grad()
+def rollout_accuracy(
+    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, target_top: torch.Tensor, depth: int
+) -> list[float]:
+    """Teacher-forced top-1 agreement with the target at unrolled depth d = 1..depth (the drafter's
+    own feedback, as in training): input_ids [B, T], aux [B, T, A*H], target_top [B, T] the target's
+    argmax at each position."""
+    t = input_ids.shape[1]
+    if depth >= t - 1:
+        raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
+    shifted = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    outs = drafter.unroll(shifted, aux.float(), depth)
+    accs = []
+    for i, h_out in enumerate(outs):
+        n = t - 1 - i
+        pred = drafter.to_target_ids(drafter.logits(h_out[:, :n]).argmax(-1))
+        accs.append((pred == target_top[:, i + 1 : i + 1 + n]).float().mean().item())
+    return accs

@@ -1,0 +1,123 @@
+"""Drift probes: read-only, exact on a hand-built drafter, and they see the norm_output effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.config import aux_layers
+from lab.data.suites import load_suite
+from lab.drafter import DrafterSpec, Eagle3Drafter
+from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
+from lab.eval.reference import speculative_decode
+from lab.target import capture
+from lab.train.ttt import init_drafter
+
+
+@pytest.fixture(scope="module")
+def prompt(micro_cfg, micro_target):
+    return load_suite("in_dist", micro_target.tokenizer, micro_cfg).prompts[0]
+
+
+def test_probes_do_not_change_what_is_decoded(micro_target, trained_eagle3, prompt):
+    drafter, _ = trained_eagle3
+    plain, st1 = speculative_decode(micro_target.model, drafter, prompt, 30, 4)
+    probed, st2 = speculative_decode(micro_target.model, drafter, prompt, 30, 4, probes=DriftProbes(4))
+    assert plain == probed and st1.accepted_at == st2.accepted_at
+
+
+def test_uniform_attention_gives_the_known_masses(micro_cfg, micro_target, prompt):
+    """Zero q/k projections make every score equal: step j of the first round attends uniformly over
+    the P context entries plus the j-1 entries drafted so far."""
+    drafter = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.q_proj.weight.zero_()
+            layer.self_attn.k_proj.weight.zero_()
+    k, p = 5, len(prompt)
+    probes = DriftProbes(k)
+    speculative_decode(micro_target.model, drafter, prompt, 2, k, probes=probes)  # exactly one round
+    curves = probes.curves()
+    for j in range(1, k + 1):
+        assert curves["sink_mass"][j - 1] == pytest.approx(1 / (p + j - 1), rel=1e-4)
+        assert curves["self_mass"][j - 1] == pytest.approx((j - 1) / (p + j - 1), rel=1e-4)
+    assert curves["norm_growth"][0] == 1.0
+
+
+def _growing(norm_output: bool) -> Eagle3Drafter:
+    """A drafter whose MLP adds a large multiple of its input: the raw residual stream grows."""
+    torch.manual_seed(0)
+    spec = DrafterSpec(
+        hidden_size=64,
+        target_hidden_size=64,
+        aux_layer_ids=[1, 2, 3],
+        vocab_size=100,
+        num_heads=2,
+        head_dim=32,
+        intermediate_size=64,
+        norm_output=norm_output,
+    )
+    d = Eagle3Drafter(spec).eval()
+    with torch.no_grad():
+        mlp = d.layers[0].mlp
+        mlp.gate_proj.weight.copy_(torch.eye(64) * 4)
+        mlp.up_proj.weight.copy_(torch.eye(64))
+        mlp.down_proj.weight.copy_(torch.eye(64))
+        d.norm.weight.fill_(1.5)
+    return d
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_feedback_norm_growth_with_and_without_norm_output(norm_output):
+    d = _growing(norm_output)
+    t, k = 6, 5
+    tokens, aux = torch.randint(0, 100, (1, t)), torch.randn(1, t, 192)
+    from lab.drafter import KVCache
+
+    cache = KVCache(1, record=True)
+    probes = DriftProbes(k)
+    with torch.no_grad():
+        h = d(tokens, d.project(aux), torch.arange(t)[None], cache)[:, -1:]
+        for j in range(k):
+            fed = d.feedback(h)
+            probes.record(j + 1, cache.last_probs, first_self_key=t, fed_back=fed)
+            h = d(tokens[:, :1], fed, torch.tensor([[t + j]]), cache)
+    fb = probes.curves()["feedback_norm"]
+    if norm_output:
+        assert max(fb) <= 1.5 + 1e-4  # bounded by the norm's scale
+    else:
+        assert probes.curves()["norm_growth"][-1] > 2.0  # the raw residual stream grows step by step
+
+
+def test_fc_share_balances_layers_only_with_fc_norm():
+    scales = torch.tensor([1.0] * 64 + [4.0] * 64 + [16.0] * 64)
+    aux = torch.randn(2, 8, 192) * scales
+    shares = {}
+    for fc_norm in ("none", "per_layer"):
+        torch.manual_seed(0)
+        spec = DrafterSpec(
+            hidden_size=64,
+            target_hidden_size=64,
+            aux_layer_ids=[1, 2, 3],
+            vocab_size=100,
+            num_heads=2,
+            head_dim=32,
+            intermediate_size=64,
+            fc_norm=fc_norm,
+        )
+        shares[fc_norm] = fc_share(Eagle3Drafter(spec), aux)
+    assert sum(shares["none"]) == pytest.approx(1.0) and shares["none"][2] > 0.7
+    assert max(shares["per_layer"]) < 0.45 and min(shares["per_layer"]) > 0.22
+
+
+def test_rollout_accuracy_beyond_training_depth(micro_cfg, micro_target, micro_sequences, trained_eagle3):
+    drafter, _ = trained_eagle3
+    heldout = micro_sequences[1][:8]
+    cap = capture(micro_target.model, heldout, aux_layers(micro_cfg))
+    top = (cap.final @ micro_target.lm_head_weight.T).argmax(-1)
+    depth = 2 * micro_cfg.train.ttt_length
+    accs = rollout_accuracy(drafter, heldout, cap.aux, top, depth)
+    untrained = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
+    base = rollout_accuracy(untrained, heldout, cap.aux, top, depth)
+    assert len(accs) == depth and all(0.0 <= a <= 1.0 for a in accs)
+    assert accs[0] > base[0] + 0.1
