@@ -116,7 +116,7 @@ class EvalConfig:
     num_prompts: int = 20
     prompt_len: int = 128
     max_new_tokens: int = 80
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
     n_sink: int = 1  # leading positions counted as the attention sink
     rollout_depth: int | None = None  # teacher-forced rollout depth; None = 3 x train.ttt_length
@@ -325,8 +325,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("eval.backends", f"unknown backend '{backend}'; allowed: ref")
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
-    if cfg.eval.temperature != 0:
-        raise ConfigError("eval.temperature", "only greedy decoding (0.0) is implemented so far")
+    if cfg.eval.temperature < 0:
+        raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
     if cfg.eval.prompt_len + cfg.eval.max_new_tokens + max(cfg.eval.num_speculative_tokens) + 1 > _max_positions(cfg):
         raise ConfigError(
             "eval.prompt_len",

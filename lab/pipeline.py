@@ -81,7 +81,15 @@ def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None
             ks = list(cfg.eval.num_speculative_tokens)
             metrics.update(
                 evaluate_suite(
-                    target.model, drafter, suite, ks, progress, probes=cfg.eval.probes, n_sink=cfg.eval.n_sink
+                    target.model,
+                    drafter,
+                    suite,
+                    ks,
+                    progress,
+                    cfg.eval.probes,
+                    cfg.eval.n_sink,
+                    cfg.eval.temperature,
+                    cfg.seed,
                 )
             )
         metrics.update(heldout_metrics(target, drafter, heldout, rollout_depth(cfg)))

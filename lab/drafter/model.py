@@ -287,6 +287,14 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if hasattr(self, "d2t") else draft_ids
 
+    def to_target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary [.., V_draft] as one over the target's [.., V]."""
+        if not hasattr(self, "d2t"):
+            return draft_probs
+        ids = self.to_target_ids(torch.arange(self.spec.draft_vocab_size, device=draft_probs.device))
+        out = draft_probs.new_zeros(*draft_probs.shape[:-1], self.spec.vocab_size)
+        return out.index_copy_(-1, ids, draft_probs)
+
     def forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | TTTCache
     ) -> torch.Tensor:

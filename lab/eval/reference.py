@@ -1,4 +1,4 @@
-"""The reference chain speculative decoder (greedy), with KV caches for target and drafter.
+"""The reference chain speculative decoder, with KV caches for target and drafter.
 
 One round, with n tokens committed and `pending` = the target's next token (not yet in its cache):
   1. the drafter, whose cache holds one entry per committed position (entry t = target features of
@@ -7,7 +7,11 @@ One round, with n tokens committed and `pending` = the target's next token (not 
   3. the longest prefix of drafts equal to the target's argmax is kept, plus the target's next token
      (the bonus); both caches are cropped back to the committed positions, and the accepted positions'
      target features extend the drafter's context for the next round.
-The output equals the target's own greedy decoding (tested for every toggle combination).
+Greedy (temperature 0) keeps the drafts equal to the target's argmax, so the output equals the
+target's own greedy decoding (tested for every toggle combination). With temperature > 0 drafts are
+sampled from the drafter and accepted by lossless speculative sampling (accept d with probability
+min(1, p(d)/q(d)), else resample from norm(max(0, p - q))), so the output follows the target's own
+sampling distribution (tested statistically).
 """
 
 from __future__ import annotations
@@ -67,22 +71,58 @@ class DecodeStats:
         return out
 
 
-def _argmax_last(logits: torch.Tensor) -> int:
-    return int(logits[0, -1].argmax())
+def _pick(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
+    """Argmax (temperature 0) or a sample from softmax(logits / temperature), with its distribution."""
+    if temperature == 0:
+        return int(logits.argmax()), None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
 
 
 @torch.no_grad()
-def greedy_decode(target_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-    """Plain greedy decoding of the target with its KV cache, one token per forward: the baseline."""
+def target_decode(
+    target_model,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], float]:
+    """Plain decoding of the target with its KV cache, one token per forward: the baseline."""
     start = time.perf_counter()
-    ids = torch.tensor([prompt])
-    out = target_model(input_ids=ids, use_cache=True)
-    past, tokens = out.past_key_values, [_argmax_last(out.logits)]
+    out = target_model(input_ids=torch.tensor([prompt]), use_cache=True)
+    past, tokens = out.past_key_values, [_pick(out.logits[0, -1], temperature, generator)[0]]
     while len(tokens) < max_new_tokens:
         out = target_model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
-        tokens.append(_argmax_last(out.logits))
+        tokens.append(_pick(out.logits[0, -1], temperature, generator)[0])
     return tokens, time.perf_counter() - start
+
+
+def _accept(
+    drafts: list[int],
+    draft_probs: list[torch.Tensor | None],
+    target_z: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(number of drafts accepted, the token that follows them) from the target's logits [k+1, V]."""
+    k = len(drafts)
+    if temperature == 0:
+        preds = target_z.argmax(-1).tolist()  # preds[i] follows drafts[:i]
+        accepted = 0
+        while accepted < k and drafts[accepted] == preds[accepted]:
+            accepted += 1
+        return accepted, preds[accepted]
+    p = torch.softmax(target_z.float() / temperature, dim=-1)
+    for i, (d, q) in enumerate(zip(drafts, draft_probs, strict=True)):
+        if torch.rand((), generator=generator) >= torch.clamp(p[i, d] / q[d], max=1.0):
+            residual = (p[i] - q).clamp_min(0)
+            total = residual.sum()
+            dist = residual / total if total > 0 else p[i]
+            return i, int(torch.multinomial(dist, 1, generator=generator))
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
 
 
 @torch.no_grad()
@@ -93,8 +133,10 @@ def speculative_decode(
     max_new_tokens: int,
     k: int,
     probes: DriftProbes | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """Greedy chain speculative decoding; returns the new tokens and the round statistics. With
+    """Chain speculative decoding; returns the new tokens and the round statistics. With
     `probes`, the drafter's attention and feedback at each drafting step are recorded (read-only:
     the decoded tokens are the same)."""
     aux_layers = drafter.spec.aux_layer_ids
@@ -105,7 +147,7 @@ def speculative_decode(
     ids = torch.tensor([prompt])
     cap = capture(target_model, ids, aux_layers, use_cache=True)
     target_cache = cap.past_key_values
-    pending = int((cap.final[0, -1] @ lm_head.T).argmax())
+    pending = _pick(cap.final[0, -1] @ lm_head.T, temperature, generator)[0]
     generated = [pending]
     n = len(prompt)  # committed tokens in the target cache
 
@@ -117,20 +159,19 @@ def speculative_decode(
         positions = torch.arange(ctx_start, ctx_start + len(ctx_tokens))[None]
         h_out = drafter(torch.tensor([ctx_tokens]), drafter.project(ctx_aux), positions, dcache)[:, -1:]
         drafts: list[int] = []
+        draft_probs: list[torch.Tensor | None] = []
         for j in range(k):
-            tok = int(drafter.to_target_ids(drafter.logits(h_out)[0, -1].argmax()))
+            draft_id, q = _pick(drafter.logits(h_out)[0, -1], temperature, generator)
+            tok = int(drafter.to_target_ids(torch.tensor(draft_id)))
             drafts.append(tok)
+            draft_probs.append(None if q is None else drafter.to_target_probs(q))
             fed_back = drafter.feedback(h_out)
             if probes is not None:  # keys from index n on were drafted in this round
                 probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
             if j + 1 < k:
                 h_out = drafter(torch.tensor([[tok]]), fed_back, torch.tensor([[n + j]]), dcache)
         verify = capture(target_model, torch.tensor([[pending] + drafts]), aux_layers, past_key_values=target_cache)
-        preds = (verify.final[0] @ lm_head.T).argmax(-1).tolist()  # preds[i] follows drafts[:i]
-        accepted = 0
-        while accepted < k and drafts[accepted] == preds[accepted]:
-            accepted += 1
-        bonus = preds[accepted]
+        accepted, bonus = _accept(drafts, draft_probs, verify.final[0] @ lm_head.T, temperature, generator)
         stats.add_round(k, accepted)
 
         target_cache = verify.past_key_values

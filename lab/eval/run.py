@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
-from lab.eval.reference import DecodeStats, greedy_decode, speculative_decode
+from lab.eval.reference import DecodeStats, speculative_decode, target_decode
 from lab.target import capture
 
 Metrics = dict[str, float | list[float]]
@@ -25,12 +25,14 @@ def evaluate_suite(
     progress: bool = True,
     probes: bool = False,
     n_sink: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> Metrics:
     """AL, acceptance curves, tokens/s and speedup over plain greedy decoding, per k, side by side;
     with `probes`, the drift curves `drift/{suite}/k{k}/...` too."""
     drafter.eval()
     # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
-    greedy_decode(target_model, suite.prompts[0], 4)
+    target_decode(target_model, suite.prompts[0], 4)
     speculative_decode(target_model, drafter, suite.prompts[0], 4, max(ks))
 
     base_seconds, base_tokens = 0.0, 0
@@ -38,12 +40,15 @@ def evaluate_suite(
     matches = dict.fromkeys(ks, 0)
     drift = {k: DriftProbes(k, n_sink) for k in ks} if probes else {}
     bar = tqdm(suite.prompts, desc=f"eval {suite.name} k={ks}", unit="prompt", disable=not progress)
+    gen = torch.Generator().manual_seed(seed)
     for prompt in bar:
-        reference, seconds = greedy_decode(target_model, prompt, suite.max_new_tokens)
+        reference, seconds = target_decode(target_model, prompt, suite.max_new_tokens, temperature, gen)
         base_seconds += seconds
         base_tokens += len(reference)
         for k in ks:
-            tokens, stats = speculative_decode(target_model, drafter, prompt, suite.max_new_tokens, k, drift.get(k))
+            tokens, stats = speculative_decode(
+                target_model, drafter, prompt, suite.max_new_tokens, k, drift.get(k), temperature, gen
+            )
             totals[k].merge(stats)
             matches[k] += int(tokens == reference)
     metrics: Metrics = {f"eval/{suite.name}/ref/baseline_tokens_per_s": base_tokens / base_seconds}
@@ -54,7 +59,8 @@ def evaluate_suite(
         metrics[f"{prefix}/cond_accept_rate"] = st.conditional_accept_rate
         metrics[f"{prefix}/tokens_per_s"] = st.generated / st.seconds
         metrics[f"{prefix}/speedup"] = base_seconds / st.seconds
-        metrics[f"{prefix}/exact_match"] = matches[k] / len(suite.prompts)
+        if temperature == 0:  # sampled outputs differ from the baseline's samples by design
+            metrics[f"{prefix}/exact_match"] = matches[k] / len(suite.prompts)
         for name, curve in drift[k].curves().items() if probes else ():
             metrics[f"drift/{suite.name}/k{k}/{name}"] = curve
     return metrics
