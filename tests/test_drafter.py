@@ -7,28 +7,15 @@ import json
 
 import pytest
 import torch
+from helpers import small_drafter
 
-from lab.drafter import DrafterSpec, Eagle3Drafter, KVCache, load_native, save_native
+from lab.drafter import Eagle3Drafter, KVCache, load_native, save_native
 
 COMBOS = list(itertools.product(["none", "per_layer", "concat"], [False, True]))
 
 
 def make(fc_norm="none", norm_output=False, num_layers=1, norm_type="rmsnorm", seed=0) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    spec = DrafterSpec(
-        hidden_size=64,
-        target_hidden_size=64,
-        aux_layer_ids=[1, 2, 3],
-        vocab_size=100,
-        num_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        num_layers=num_layers,
-        fc_norm=fc_norm,
-        norm_output=norm_output,
-        norm_type=norm_type,
-    )
-    drafter = Eagle3Drafter(spec).eval()
+    drafter = small_drafter(seed, num_layers=num_layers, fc_norm=fc_norm, norm_output=norm_output, norm_type=norm_type)
     with torch.no_grad():  # non-trivial norm weights so that a skipped norm would show
         for name, p in drafter.named_parameters():
             if "norm" in name:

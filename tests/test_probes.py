@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_drafter
 
 from lab.config import aux_layers
 from lab.data.suites import load_suite
-from lab.drafter import DrafterSpec, Eagle3Drafter
+from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
 from lab.eval.reference import speculative_decode
 from lab.target import capture
@@ -46,18 +47,7 @@ def test_uniform_attention_gives_the_known_masses(micro_cfg, micro_target, promp
 
 def _growing(norm_output: bool) -> Eagle3Drafter:
     """A drafter whose MLP adds a large multiple of its input: the raw residual stream grows."""
-    torch.manual_seed(0)
-    spec = DrafterSpec(
-        hidden_size=64,
-        target_hidden_size=64,
-        aux_layer_ids=[1, 2, 3],
-        vocab_size=100,
-        num_heads=2,
-        head_dim=32,
-        intermediate_size=64,
-        norm_output=norm_output,
-    )
-    d = Eagle3Drafter(spec).eval()
+    d = small_drafter(intermediate_size=64, norm_output=norm_output)
     with torch.no_grad():
         mlp = d.layers[0].mlp
         mlp.gate_proj.weight.copy_(torch.eye(64) * 4)
@@ -94,18 +84,7 @@ def test_fc_share_balances_layers_only_with_fc_norm():
     aux = torch.randn(2, 8, 192) * scales
     shares = {}
     for fc_norm in ("none", "per_layer"):
-        torch.manual_seed(0)
-        spec = DrafterSpec(
-            hidden_size=64,
-            target_hidden_size=64,
-            aux_layer_ids=[1, 2, 3],
-            vocab_size=100,
-            num_heads=2,
-            head_dim=32,
-            intermediate_size=64,
-            fc_norm=fc_norm,
-        )
-        shares[fc_norm] = fc_share(Eagle3Drafter(spec), aux)
+        shares[fc_norm] = fc_share(small_drafter(intermediate_size=64, fc_norm=fc_norm), aux)
     assert sum(shares["none"]) == pytest.approx(1.0) and shares["none"][2] > 0.7
     assert max(shares["per_layer"]) < 0.45 and min(shares["per_layer"]) > 0.22
 

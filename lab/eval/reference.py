@@ -175,7 +175,8 @@ def speculative_decode(
         stats.add_round(k, accepted)
 
         target_cache = verify.past_key_values
-        target_cache.crop(n + accepted + 1)  # pending + accepted drafts are now committed
+        if accepted < k:  # drop the rejected drafts (a negative count: tokens to remove from the end)
+            target_cache.crop(-(k - accepted))
         dcache.crop(n)  # drop the drafted entries; the context entries stay valid
         ctx_tokens = drafts[:accepted] + [bonus]
         ctx_aux = verify.aux[:, : accepted + 1]

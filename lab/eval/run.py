@@ -28,8 +28,8 @@ def evaluate_suite(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> Metrics:
-    """AL, acceptance curves, tokens/s and speedup over plain greedy decoding, per k, side by side;
-    with `probes`, the drift curves `drift/{suite}/k{k}/...` too."""
+    """AL, acceptance curves, tokens/s and speedup over plain decoding of the target, per k, measured
+    side by side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too."""
     drafter.eval()
     # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
     target_decode(target_model, suite.prompts[0], 4)
@@ -61,8 +61,8 @@ def evaluate_suite(
         metrics[f"{prefix}/speedup"] = base_seconds / st.seconds
         if temperature == 0:  # sampled outputs differ from the baseline's samples by design
             metrics[f"{prefix}/exact_match"] = matches[k] / len(suite.prompts)
-        for name, curve in drift[k].curves().items() if probes else ():
-            metrics[f"drift/{suite.name}/k{k}/{name}"] = curve
+        if probes:
+            metrics.update({f"drift/{suite.name}/k{k}/{name}": c for name, c in drift[k].curves().items()})
     return metrics
 
 

@@ -7,7 +7,6 @@ under a key that hashes the target config and the corpus manifest, so it is buil
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from lab.fsutil import file_lock, short_hash, staging_dir
+from lab.schedule import warmup_cosine
 from lab.target import corpus
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -99,13 +99,6 @@ def llama_config(tcfg: DictConfig, tokenizer):
     )
 
 
-def _lr_at(step: int, total: int, warmup: int, peak: float, min_ratio: float = 0.1) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def _windows(stream: torch.Tensor, seq_len: int, starts: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(seq_len)
     return stream[starts[:, None] + offsets[None, :]]
@@ -152,7 +145,7 @@ def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Pat
         loss_ema = None
         for step in bar:
             for group in opt.param_groups:
-                group["lr"] = _lr_at(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr)
+                group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr)
             starts = torch.randint(0, len(train_stream) - tcfg.seq_len - 1, (tcfg.batch_size,), generator=gen)
             batch = _windows(train_stream, tcfg.seq_len, starts)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):

@@ -8,7 +8,6 @@ the projected target features, later steps from its own feedback); step i's loss
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 
 from lab.data.cache import HiddenStates
 from lab.drafter import DrafterSpec, Eagle3Drafter
+from lab.schedule import warmup_cosine
 from lab.target import Target, target_logits
 
 MetricsFn = Callable[[dict[str, float], int], None]
@@ -110,14 +110,6 @@ def simulated_acc_len(accs: list[float]) -> float:
     return total
 
 
-def lr_at(step: int, tcfg: DictConfig) -> float:
-    if step < tcfg.warmup_steps:
-        return tcfg.lr * (step + 1) / tcfg.warmup_steps
-    progress = (step - tcfg.warmup_steps) / max(1, tcfg.steps - tcfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return tcfg.lr * (tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * cosine)
-
-
 @dataclass
 class TrainResult:
     steps: int
@@ -158,7 +150,7 @@ def train(
         idx = order[cursor : cursor + tcfg.batch_size]
         cursor += tcfg.batch_size
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, tcfg)
+            group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
             stats = ttt_loss(
                 drafter,
