@@ -7,8 +7,10 @@ whole config can tell (aux layers against the target's depth, head_dim against v
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -199,9 +201,12 @@ def _one_line_error(exc: Exception, overrides: list[str]) -> ConfigError:
 
 
 def _known_keys(node: str) -> str:
-    schema = OmegaConf.structured(Config)
-    sub = OmegaConf.select(schema, node) if node else schema
-    return ", ".join(sorted(sub.keys())) if isinstance(sub, DictConfig) else "(none)"
+    schema: Any = Config
+    for part in filter(None, node.split(".")):
+        schema = typing.get_type_hints(schema).get(part)
+        if not dataclasses.is_dataclass(schema):
+            return "(none)"
+    return ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
 
 
 def _override_key(text: str, overrides: list[str]) -> str:
