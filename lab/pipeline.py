@@ -78,18 +78,18 @@ def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None
         for name in cfg.eval.suites:
             suite = load_suite(name, target.tokenizer, cfg)
             mlrun.log_dict({"suite": suite.describe(), "prompts": suite.prompts}, f"suites/{name}.json")
-            ks = list(cfg.eval.num_speculative_tokens)
+            ks, e = list(cfg.eval.num_speculative_tokens), cfg.eval
             metrics.update(
                 evaluate_suite(
                     target.model,
                     drafter,
                     suite,
                     ks,
-                    progress,
-                    cfg.eval.probes,
-                    cfg.eval.n_sink,
-                    cfg.eval.temperature,
-                    cfg.seed,
+                    progress=progress,
+                    probes=e.probes,
+                    n_sink=e.n_sink,
+                    temperature=e.temperature,
+                    seed=cfg.seed,
                 )
             )
         metrics.update(heldout_metrics(target, drafter, heldout, rollout_depth(cfg)))

@@ -38,10 +38,6 @@ class DriftProbes:
         self.feedback_rms[j - 1] += fed_back.float().pow(2).mean().sqrt().item()
         self.count[j - 1] += 1
 
-    def merge(self, other: DriftProbes) -> None:
-        for name in ("sink", "self_", "feedback_rms", "count"):
-            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)])
-
     def curves(self) -> dict[str, list[float]]:
         n = [max(c, 1) for c in self.count]
         sink = [s / c for s, c in zip(self.sink, n, strict=True)]

@@ -165,6 +165,8 @@ def speculative_decode(
             tok = int(drafter.to_target_ids(torch.tensor(draft_id)))
             drafts.append(tok)
             draft_probs.append(None if q is None else drafter.to_target_probs(q))
+            if j + 1 == k and probes is None:
+                break  # the last draft feeds nothing back
             fed_back = drafter.feedback(h_out)
             if probes is not None:  # keys from index n on were drafted in this round
                 probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)

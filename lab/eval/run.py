@@ -12,7 +12,7 @@ from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
 from lab.eval.reference import DecodeStats, speculative_decode, target_decode
-from lab.target import capture
+from lab.target import capture, target_logits
 
 Metrics = dict[str, float | list[float]]
 
@@ -72,7 +72,7 @@ def heldout_metrics(
 ) -> Metrics:
     """Teacher-forced rollout accuracy per depth and the captured layers' fc shares, on held-out text."""
     cap = capture(target.model, heldout, drafter.spec.aux_layer_ids)
-    top = (cap.final @ target.lm_head_weight.T).argmax(-1)
+    top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
     return {
         f"eval/{suite}/rollout/acc": rollout_accuracy(drafter, heldout, cap.aux, top, depth),
         "drift/fc_share": fc_share(drafter, cap.aux),
