@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from lab.fsutil import file_lock, short_hash, staging_dir
 from lab.schedule import warmup_cosine
-from lab.target import corpus
+from lab.target import chat, corpus
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]
@@ -36,13 +36,16 @@ _ARCH_KEYS = (
     "warmup_steps",
     "autocast_bf16",
     "seed",
+    "chat_share",
+    "system_share",
+    "chunk_chars",
 )
 BUILD_INFO = "build.json"
 
 
 def target_key(tcfg: DictConfig, files: list[corpus.CorpusFile]) -> str:
     spec = {k: OmegaConf.select(tcfg, k) for k in _ARCH_KEYS}
-    return short_hash({"spec": spec, "corpus": corpus.manifest_hash(files), "format": 1})
+    return short_hash({"spec": spec, "corpus": corpus.manifest_hash(files), "format": 2})
 
 
 def target_dir(tcfg: DictConfig, cache_dir: str | Path) -> Path:
@@ -68,14 +71,25 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
 
-def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
-    """All texts as one token stream, each file followed by EOS."""
-    eos = tokenizer.convert_tokens_to_ids(EOS)
-    ids: list[int] = []
-    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
+def corpus_documents(tcfg: DictConfig, files: list[corpus.CorpusFile], heldout: bool) -> list[str | chat.ChatDocument]:
+    """The target's corpus: each chunk of library source raw, or as a conversation in any of the chat
+    templates, with or without a system prompt (seeded; the held-out files get their own seed)."""
+    return chat.chat_documents(
+        [(f.relpath, f.read()) for f in files if f.heldout == heldout],
+        seed=tcfg.seed + (1 if heldout else 0),
+        templates=list(chat.TEMPLATES),
+        system_prompts=chat.SYSTEM_PROMPTS,
+        system_share=tcfg.system_share,
+        min_chars=tcfg.chunk_chars[0],
+        max_chars=tcfg.chunk_chars[1],
+        raw_share=1.0 - tcfg.chat_share,
+    )
+
+
+def encode_documents(tokenizer, docs: list[str | chat.ChatDocument]) -> torch.Tensor:
+    """All documents as one token stream (BOS document EOS ...)."""
+    renderer = chat.Renderer(tokenizer)
+    return torch.tensor([i for d in docs for i in chat.document_ids(renderer, d)], dtype=torch.long)
 
 
 def llama_config(tcfg: DictConfig, tokenizer):
@@ -131,11 +145,10 @@ def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Pat
             return final
         started = time.time()
         torch.manual_seed(tcfg.seed)
-        train_texts = [f.read() for f in files if not f.heldout]
-        heldout_texts = [f.read() for f in files if f.heldout]
-        tokenizer = train_tokenizer(train_texts, tcfg.vocab_size)
-        train_stream = encode_stream(tokenizer, train_texts)
-        heldout_stream = encode_stream(tokenizer, heldout_texts)
+        train_docs = corpus_documents(tcfg, files, heldout=False)
+        tokenizer = train_tokenizer([chat.document_text(d) for d in train_docs], tcfg.vocab_size)
+        train_stream = encode_documents(tokenizer, train_docs)
+        heldout_stream = encode_documents(tokenizer, corpus_documents(tcfg, files, heldout=True))
 
         model = LlamaForCausalLM(llama_config(tcfg, tokenizer))
         model.train()
