@@ -31,7 +31,11 @@ def test_second_run_does_no_target_forward(micro_cfg, micro_target, micro_sequen
         handle.remove()
     assert torch.equal(first.aux, second.aux) and torch.equal(first.final, second.final)
     h = micro_target.hidden_size
-    assert first.aux.shape == (40, seqs.shape[1], len(layers) * h) and first.final.shape == (40, seqs.shape[1], h)
+    assert first.aux.shape == (40, seqs.input_ids.shape[1], len(layers) * h) and first.final.shape == (
+        40,
+        seqs.input_ids.shape[1],
+        h,
+    )
 
 
 def test_corrupted_shard_is_detected_and_rebuilt(micro_cfg, micro_target, micro_sequences, tmp_path):

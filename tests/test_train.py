@@ -61,3 +61,28 @@ def test_same_seed_same_drafter(micro_cfg, micro_target, micro_hidden):
         train(d, micro_hidden, micro_target.lm_head_weight, cfg, seed=7, progress=False)
         weights.append(d.fc.weight.detach().clone())
     assert torch.equal(weights[0], weights[1])
+
+
+def test_loss_mask_ignores_predictions_of_prompt_tokens(micro_cfg, micro_target, micro_hidden):
+    drafter = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
+    b = slice(0, 8)
+    ids, aux, final, mask = (
+        micro_hidden.input_ids[b],
+        micro_hidden.aux[b],
+        micro_hidden.final[b].clone(),
+        micro_hidden.loss_mask[b],
+    )
+    W = micro_target.lm_head_weight
+
+    def loss(f):
+        with torch.no_grad():
+            return ttt_loss(drafter, ids, aux, f, W, 3, 0.8, mask).loss.item()
+
+    base = loss(final)
+    predicts_prompt = torch.nn.functional.pad(mask[:, 1:], (0, 1)) == 0  # final[j] predicts x_{j+1}
+    noisy = final.clone()
+    noisy[predicts_prompt] = torch.randn_like(noisy[predicts_prompt]) * 5
+    assert loss(noisy) == pytest.approx(base, rel=1e-6)
+    noisy = final.clone()
+    noisy[~predicts_prompt] = torch.randn_like(noisy[~predicts_prompt]) * 5
+    assert abs(loss(noisy) - base) > 1e-3

@@ -1,9 +1,10 @@
 """The hidden-state cache: target forward passes over the drafter's training data, computed once.
 
 Layout: `{cache_dir}/hidden/{key}/shard_00000.safetensors ... manifest.json`. Each shard holds
-`input_ids` [n, T] (int32), `aux` [n, T, A*H] and `final` [n, T, H] (bfloat16). The key hashes the
-target fingerprint, the data config and the captured layer ids; the manifest records each shard's
-sha256, checked on every load (a corrupted or truncated shard triggers a rebuild, never silent use).
+`input_ids` [n, T] (int32), `loss_mask` [n, T] (uint8), `aux` [n, T, A*H] and `final` [n, T, H]
+(bfloat16). The key hashes the target fingerprint, the data config and the captured layer ids; the
+manifest records each shard's sha256, checked on every load (a corrupted or truncated shard triggers
+a rebuild, never silent use).
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from lab.data.text import Sequences
 from lab.fsutil import file_lock, sha256_file, short_hash, staging_dir
 from lab.target import Target, capture
 
 MANIFEST = "manifest.json"
 SHARD_SEQUENCES = 256
 STORE_DTYPE = torch.bfloat16
-FORMAT = 1
+FORMAT = 2
 
 
 @dataclass
 class HiddenStates:
     input_ids: torch.Tensor  # [N, T] int64
+    loss_mask: torch.Tensor  # [N, T] uint8: 1 where the token is the assistant's
     aux: torch.Tensor  # [N, T, A*H] bf16
     final: torch.Tensor  # [N, T, H] bf16
     path: Path
@@ -61,25 +64,21 @@ def _verify(path: Path) -> dict | None:
     return manifest
 
 
-def _read(path: Path, manifest: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _read(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     parts = [load_file(str(path / s["file"])) for s in manifest["shards"]]
-    return (
-        torch.cat([p["input_ids"] for p in parts]).long(),
-        torch.cat([p["aux"] for p in parts]),
-        torch.cat([p["final"] for p in parts]),
-    )
+    return {name: torch.cat([p[name] for p in parts]) for name in ("input_ids", "loss_mask", "aux", "final")}
 
 
 def build_or_load(
     target: Target,
-    sequences: torch.Tensor,
+    sequences: Sequences,
     dcfg: DictConfig,
     aux_layers: list[int],
     cache_dir: str | Path,
     batch_size: int = 16,
     progress: bool = True,
 ) -> HiddenStates:
-    """Captured states for `sequences` [N, T]; runs the target only if the cache entry is absent."""
+    """Captured states for the sequences; runs the target only if the cache entry is absent."""
     key = cache_key(target, dcfg, aux_layers)
     path = Path(cache_dir) / "hidden" / key
     started = time.time()
@@ -91,16 +90,17 @@ def build_or_load(
             hit = manifest is not None
             if not hit:
                 manifest = _build(target, sequences, aux_layers, path, key, batch_size, progress)
-    ids, aux, final = _read(path, manifest)
-    if not torch.equal(ids, sequences.long()):
+    stored = _read(path, manifest)
+    ids = stored["input_ids"].long()
+    if not torch.equal(ids, sequences.input_ids) or not torch.equal(stored["loss_mask"], sequences.loss_mask):
         raise RuntimeError(f"hidden-state cache {path}: stored tokens differ from the requested sequences")
     stats = {
         "hit": hit,
         "seconds": time.time() - started,
-        "target_forward_tokens": 0 if hit else int(sequences.numel()),
+        "target_forward_tokens": 0 if hit else int(sequences.input_ids.numel()),
         "bytes": sum(s["bytes"] for s in manifest["shards"]),
     }
-    return HiddenStates(ids, aux, final, path, stats)
+    return HiddenStates(ids, stored["loss_mask"], stored["aux"], stored["final"], path, stats)
 
 
 def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> dict:
@@ -108,7 +108,8 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
     with staging_dir(path) as tmp:
         bar = tqdm(total=len(sequences), desc="hidden-state cache", unit="seq", disable=not progress)
         for index, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
-            chunk = sequences[start : start + SHARD_SEQUENCES]
+            chunk = sequences.input_ids[start : start + SHARD_SEQUENCES]
+            mask = sequences.loss_mask[start : start + SHARD_SEQUENCES]
             aux, final = [], []
             for batch in chunk.split(batch_size):
                 out = capture(target.model, batch, aux_layers)
@@ -117,7 +118,12 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
                 bar.update(len(batch))
             name = f"shard_{index:05d}.safetensors"
             save_file(
-                {"input_ids": chunk.to(torch.int32).contiguous(), "aux": torch.cat(aux), "final": torch.cat(final)},
+                {
+                    "input_ids": chunk.to(torch.int32).contiguous(),
+                    "loss_mask": mask.contiguous(),
+                    "aux": torch.cat(aux),
+                    "final": torch.cat(final),
+                },
                 str(tmp / name),
             )
             shards.append(
@@ -135,7 +141,7 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
             "target": target.fingerprint,
             "aux_layers": list(aux_layers),
             "num_sequences": len(sequences),
-            "seq_len": sequences.shape[1],
+            "seq_len": sequences.input_ids.shape[1],
             "dtype": str(STORE_DTYPE),
             "shards": shards,
         }

@@ -1,48 +1,82 @@
-"""Token windows cut from the corpus: drafter training sequences and held-out sequences."""
+"""The drafter's data: corpus chunks as conversations in ONE chat template, cut to short sequences.
+
+Each sequence is one conversation from its start (BOS, template markers, request, the last
+`seq_len / 4` tokens of the code shown), truncated or padded to `data.seq_len`, with a mask over the
+assistant's tokens: the drafter is trained to predict those (as TorchSpec / EAGLE train on assistant
+turns), while the prompt is context.
+"""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 
-from lab.target import corpus
-from lab.target.build import encode_stream
+from lab.target import chat, corpus
 
 WINDOW_SEED = 1234  # fixed: every run and seed trains on the same sequences, so caches are shared
+MIN_MASKED_TOKENS = 16  # a sequence must leave the drafter this many assistant tokens to learn from
 
 
 @dataclass
-class Streams:
-    train: torch.Tensor  # 1-D token stream of the training split
-    heldout: torch.Tensor  # 1-D token stream of the held-out split
+class Sequences:
+    input_ids: torch.Tensor  # [N, T]
+    loss_mask: torch.Tensor  # [N, T] 1 where the token is the assistant's
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, index) -> Sequences:
+        return Sequences(self.input_ids[index], self.loss_mask[index])
 
 
-def streams(tokenizer, corpus_bytes: int) -> Streams:
-    files = corpus.select(corpus_bytes)
-    return Streams(
-        train=encode_stream(tokenizer, [f.read() for f in files if not f.heldout]),
-        heldout=encode_stream(tokenizer, [f.read() for f in files if f.heldout]),
+def corpus_files(corpus_bytes: int, heldout: bool) -> list[tuple[str, str]]:
+    """(relative path, text) of the corpus files of one split."""
+    return [(f.relpath, f.read()) for f in corpus.select(corpus_bytes) if f.heldout == heldout]
+
+
+def conversation_sequences(tokenizer, dcfg: DictConfig, heldout: bool, count: int, key: str) -> Sequences:
+    """`count` conversations in `data.template` (with `data.system_prompt` if set), seeded choice."""
+    renderer = chat.Renderer(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else renderer.eos
+    docs = chat.chat_documents(
+        corpus_files(dcfg.corpus_bytes, heldout),
+        seed=WINDOW_SEED + int(heldout),
+        templates=[dcfg.template],
+        system_prompts=[dcfg.system_prompt] if dcfg.system_prompt else [],
+        system_share=1.0,
+        min_chars=dcfg.chunk_chars[0],
+        max_chars=dcfg.chunk_chars[1],
+    )
+    rows, masks = [], []
+    t = dcfg.seq_len
+    for doc in docs:
+        # the end of the shown code (nearest the answer), so the assistant's turn fits in the sequence
+        code = renderer.encode(doc.code)[-(t // 4) :]
+        conv = chat.Conversation(doc.system, doc.request, code, renderer.encode(doc.answer))
+        ids, mask = renderer.render(chat.TEMPLATES[doc.template], conv)
+        ids, mask = ids[:t], mask[:t]
+        if sum(mask) < MIN_MASKED_TOKENS:
+            continue
+        rows.append(ids + [pad] * (t - len(ids)))
+        masks.append(mask + [0] * (t - len(mask)))
+    if count > len(rows):
+        raise ValueError(
+            f"{key}: asks for {count} conversations but the corpus split holds {len(rows)} with at least "
+            f"{MIN_MASKED_TOKENS} assistant tokens within {t}; lower it or raise data.corpus_bytes"
+        )
+    order = sorted(random.Random(WINDOW_SEED).sample(range(len(rows)), count))
+    return Sequences(
+        torch.tensor([rows[i] for i in order], dtype=torch.long),
+        torch.tensor([masks[i] for i in order], dtype=torch.uint8),
     )
 
 
-def windows(stream: torch.Tensor, seq_len: int, count: int, key: str, seed: int = WINDOW_SEED) -> torch.Tensor:
-    """`count` distinct non-overlapping windows [count, seq_len], chosen by a seeded permutation."""
-    available = len(stream) // seq_len
-    if count > available:
-        raise ValueError(
-            f"{key}: asks for {count} windows of {seq_len} tokens but the corpus holds {available}; "
-            f"lower it or raise data.corpus_bytes"
-        )
-    order = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:count].sort().values
-    return stream[: available * seq_len].view(available, seq_len)[order]
-
-
-def training_sequences(tokenizer, dcfg: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train [N, T], heldout [M, T]) token windows for the drafter."""
-    s = streams(tokenizer, dcfg.corpus_bytes)
+def training_sequences(tokenizer, dcfg: DictConfig) -> tuple[Sequences, Sequences]:
+    """(train, held-out) drafter sequences."""
     return (
-        windows(s.train, dcfg.seq_len, dcfg.num_sequences, "data.num_sequences"),
-        windows(s.heldout, dcfg.seq_len, dcfg.heldout_sequences, "data.heldout_sequences"),
+        conversation_sequences(tokenizer, dcfg, False, dcfg.num_sequences, "data.num_sequences"),
+        conversation_sequences(tokenizer, dcfg, True, dcfg.heldout_sequences, "data.heldout_sequences"),
     )

@@ -284,6 +284,10 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocab logits; lm_head always reads norm(h) in both versions."""
         return self.lm_head(self.norm(h_out))
 
+    def draft_token_ids(self) -> torch.Tensor:
+        """The target ids of the draft vocabulary, in draft order [V_draft]."""
+        return self.to_target_ids(torch.arange(self.spec.draft_vocab_size, device=self.lm_head.weight.device))
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if hasattr(self, "d2t") else draft_ids
 
@@ -291,9 +295,8 @@ class Eagle3Drafter(nn.Module):
         """A distribution over the draft vocabulary [.., V_draft] as one over the target's [.., V]."""
         if not hasattr(self, "d2t"):
             return draft_probs
-        ids = self.to_target_ids(torch.arange(self.spec.draft_vocab_size, device=draft_probs.device))
         out = draft_probs.new_zeros(*draft_probs.shape[:-1], self.spec.vocab_size)
-        return out.index_copy_(-1, ids, draft_probs)
+        return out.index_copy_(-1, self.draft_token_ids(), draft_probs)
 
     def forward(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache | TTTCache

@@ -25,15 +25,28 @@ from lab.target import Target, target_logits
 MetricsFn = Callable[[dict[str, float], int], None]
 
 
-def init_drafter(target: Target, dcfg: DictConfig, aux_layers: list[int], seed: int) -> Eagle3Drafter:
-    """A fresh drafter shaped after the target: its width, heads and MLP; embedding copied and frozen."""
+def draft_vocabulary(token_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids (ties to the lower id), ascending: EAGLE-3's draft vocab."""
+    order = torch.sort(token_counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+def init_drafter(
+    target: Target, dcfg: DictConfig, aux_layers: list[int], seed: int, token_counts: torch.Tensor | None = None
+) -> Eagle3Drafter:
+    """A fresh drafter shaped after the target: its width, heads and MLP; embedding copied and frozen;
+    with a smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V]."""
     tc = target.model.config
     heads = tc.num_attention_heads
+    draft_vocab = dcfg.draft_vocab_size if dcfg.draft_vocab_size and dcfg.draft_vocab_size < tc.vocab_size else None
+    if draft_vocab and token_counts is None:
+        raise ValueError("drafter.draft_vocab_size: a smaller draft vocabulary needs the training data's token counts")
     spec = DrafterSpec(
         hidden_size=tc.hidden_size,
         target_hidden_size=tc.hidden_size,
         aux_layer_ids=list(aux_layers),
         vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab,
         num_heads=heads,
         num_kv_heads=getattr(tc, "num_key_value_heads", heads),
         head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
@@ -50,8 +63,11 @@ def init_drafter(target: Target, dcfg: DictConfig, aux_layers: list[int], seed: 
     drafter = Eagle3Drafter(spec)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.embed_weight)
+        if draft_vocab:
+            ids = draft_vocabulary(token_counts, draft_vocab)
+            drafter.d2t.copy_(ids - torch.arange(draft_vocab))
         if dcfg.init_lm_head_from_target:
-            drafter.lm_head.weight.copy_(target.lm_head_weight)
+            drafter.lm_head.weight.copy_(target.lm_head_weight[drafter.draft_token_ids()])
     return drafter
 
 
@@ -75,14 +91,31 @@ def ttt_loss(
     lm_head_weight: torch.Tensor,
     length: int,
     step_weight: float,
+    loss_mask: torch.Tensor | None = None,
 ) -> StepStats:
-    """TTT loss of one batch: input_ids [B, T] (x_0..x_{T-1}), aux [B, T, A*H], final [B, T, H]."""
+    """TTT loss of one batch: input_ids [B, T] (x_0..x_{T-1}), aux [B, T, A*H], final [B, T, H];
+    loss_mask [B, T] marks the tokens to learn (a prediction of x_j counts where loss_mask[j] is 1)."""
     t = input_ids.shape[1]
     if length >= t:
         raise ValueError(f"train.ttt_length={length} must be below data.seq_len={t}")
     with torch.no_grad():
         target_z = target_logits(final.float(), lm_head_weight.float())  # [B, T, V]
         target_top = target_z.argmax(-1)  # [B, T]
+        # target_z[j] predicts x_{j+1}: it is learned where x_{j+1} is a token to learn
+        predicts = (
+            torch.ones_like(input_ids, dtype=torch.float)
+            if loss_mask is None
+            else F.pad(loss_mask[:, 1:].float(), (0, 1))
+        )
+        learnable = predicts
+        if drafter.spec.draft_vocab_size != drafter.spec.vocab_size:
+            # EAGLE-3: the target distribution restricted to the draft vocabulary; positions whose
+            # target argmax lies outside it teach nothing (and count as misses in acc)
+            draft_ids = drafter.draft_token_ids()
+            in_draft = torch.zeros(drafter.spec.vocab_size, dtype=torch.bool)
+            in_draft[draft_ids] = True
+            target_z = target_z[..., draft_ids]
+            learnable = predicts * in_draft[target_top]
         target_p = torch.softmax(target_z, dim=-1)
     shifted = F.pad(input_ids[:, 1:], (0, 1))  # position t carries x_{t+1}
     outs = drafter.unroll(shifted, aux.float(), length)
@@ -90,11 +123,18 @@ def ttt_loss(
     plosses, accs = [], []
     vocab = target_p.shape[-1]
     for i, h_out in enumerate(outs):
-        n = t - 1 - i  # positions whose target p_{t+i+1} exists
+        n = t - 1 - i  # positions whose target p_{t+i+1} exists; step i there predicts x_{t+i+1}
         logits = drafter.logits(h_out[:, :n]).float()
+        weight = learnable[:, i + 1 : i + 1 + n].reshape(-1)
+        counted = predicts[:, i + 1 : i + 1 + n].reshape(-1)
         # soft-label cross-entropy == forward KL up to the target's (constant) entropy; fused kernel
-        ploss = F.cross_entropy(logits.reshape(-1, vocab), target_p[:, i + 1 : i + 1 + n].reshape(-1, vocab))
-        acc = (logits.detach().argmax(-1) == target_top[:, i + 1 : i + 1 + n]).float().mean()
+        ce = F.cross_entropy(
+            logits.reshape(-1, vocab), target_p[:, i + 1 : i + 1 + n].reshape(-1, vocab), reduction="none"
+        )
+        ploss = (ce * weight).sum() / weight.sum().clamp_min(1.0)
+        drafted = drafter.to_target_ids(logits.detach().argmax(-1))
+        hits = (drafted == target_top[:, i + 1 : i + 1 + n]).float().reshape(-1)
+        acc = (hits * counted).sum() / counted.sum().clamp_min(1.0)
         loss = loss + (step_weight**i) * ploss
         plosses.append(ploss.item())
         accs.append(acc.item())
@@ -160,6 +200,7 @@ def train(
                 lm_head_weight,
                 tcfg.ttt_length,
                 tcfg.step_weight,
+                data.loss_mask[idx],
             )
         if not torch.isfinite(stats.loss):
             raise FloatingPointError(f"non-finite training loss at step {step}: {stats.loss.item()}")
