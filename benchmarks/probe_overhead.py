@@ -10,7 +10,7 @@ import sys
 import time
 
 from lab.config import aux_layers, compose
-from lab.data.suites import load_suite
+from lab.data.suites import build_suite
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import speculative_decode
 from lab.pipeline import set_threads
@@ -23,7 +23,7 @@ def main(overrides: list[str]) -> None:
     set_threads(cfg)
     target = load(cfg)
     drafter = init_drafter(target, cfg.drafter, aux_layers(cfg), cfg.seed).eval()
-    suite = load_suite("in_dist", target.tokenizer, cfg)
+    suite = build_suite("in_dist", target.tokenizer, cfg)
     k = max(cfg.eval.num_speculative_tokens)
     speculative_decode(target.model, drafter, suite.prompts[0], 8, k)  # warm-up
     off = on = 0.0

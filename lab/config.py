@@ -43,6 +43,14 @@ class NormType(str, Enum):
     layernorm = "layernorm"
 
 
+class SuiteKind(str, Enum):
+    in_dist = "in_dist"  # the drafter's training template, held-out code
+    long_context = "long_context"  # the same, at prompt lengths several times data.seq_len
+    template = "template"  # chat templates the drafter never saw
+    system_prompt = "system_prompt"  # system prompts the drafter never saw
+    jsonl = "jsonl"  # prompts or conversations from a local file
+
+
 class TargetKind(str, Enum):
     build = "build"  # trained here from the stdlib corpus
     hf = "hf"  # any local Hugging Face causal LM directory
@@ -70,15 +78,21 @@ class TargetConfig:
     warmup_steps: int = 20
     autocast_bf16: bool = False
     seed: int = 0
+    chat_share: float = 0.65  # share of corpus chunks wrapped as conversations (in every chat template)
+    system_share: float = 0.5  # share of those conversations that open with a system prompt
+    chunk_chars: list[int] = field(default_factory=lambda: [400, 6000])  # corpus chunk size range
 
 
 @dataclass
 class DataConfig:
     name: str = MISSING
     corpus_bytes: int = 12_000_000  # the stdlib selection the sequences are cut from
-    num_sequences: int = 2048  # drafter training sequences
-    seq_len: int = 256
+    num_sequences: int = 4096  # drafter training sequences (one conversation each)
+    seq_len: int = 128
     heldout_sequences: int = 32  # held-out sequences (validation, rollout probes)
+    template: str = "chatml"  # the ONE chat template of the drafter's training data
+    system_prompt: str | None = None  # a system prompt in every training conversation (None: none)
+    chunk_chars: list[int] = field(default_factory=lambda: [150, 900])  # corpus chunk size range
 
 
 @dataclass
@@ -90,6 +104,9 @@ class DrafterConfig:
     num_layers: int = 1
     # vLLM ids: id i = residual stream after i target decoder layers. None: spread over the target.
     aux_layers: list[int] | None = None
+    # lm_head rows: the most frequent tokens of the training data (EAGLE-3's d2t); None or >= the
+    # target's vocabulary = the full vocabulary (no d2t)
+    draft_vocab_size: int | None = None
     init_lm_head_from_target: bool = True
     rms_norm_eps: float = 1e-6
 
@@ -111,13 +128,26 @@ class TrainConfig:
 
 
 @dataclass
+class SuiteConfig:
+    """One evaluation suite (`configs/suite/NAME.yaml`); its prompts are fixed and seeded."""
+
+    kind: SuiteKind = MISSING
+    num_prompts: int | None = None  # prompts per variant; None = eval.num_prompts
+    context_multiples: list[int] = field(default_factory=lambda: [2, 4, 8])  # long_context: x data.seq_len
+    templates: list[str] | None = None  # template: None = every template except data.template
+    system_prompts: list[str] | None = None  # system_prompt: None = the built-in unseen ones
+    path: str | None = None  # jsonl: {"prompt": ...} or {"messages": [...]} per line, optional "category"
+    template: str | None = None  # jsonl: the template for "messages" rows; None = data.template
+
+
+@dataclass
 class EvalConfig:
     suites: list[str] = field(default_factory=lambda: ["in_dist"])
     backends: list[str] = field(default_factory=lambda: ["ref"])
     num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 5])
-    num_prompts: int = 20
-    prompt_len: int = 128
-    max_new_tokens: int = 80
+    num_prompts: int = 20  # per suite variant (a template, a system prompt, a context length)
+    prompt_len: int = 64  # in_dist / template / system_prompt: the in_dist prompt's length in tokens
+    max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
     n_sink: int = 1  # leading positions counted as the attention sink
@@ -138,6 +168,7 @@ class Config:
     drafter: DrafterConfig = MISSING
     train: TrainConfig = MISSING
     eval: EvalConfig = MISSING
+    suites: dict[str, SuiteConfig] = field(default_factory=dict)
     tracking: TrackingConfig = MISSING
     study: str = "default"  # the MLflow experiment
     arm: str | None = None  # defaults to drafter.name
@@ -286,6 +317,8 @@ def validate(cfg: DictConfig) -> None:
             "train.log_every",
         ],
     )
+    if cfg.drafter.draft_vocab_size is not None and cfg.drafter.draft_vocab_size < 2:
+        raise ConfigError("drafter.draft_vocab_size", f"must be >= 2 or null, got {cfg.drafter.draft_vocab_size}")
     if cfg.train.backend != "native":
         raise ConfigError("train.backend", f"'{cfg.train.backend}' is not available; allowed: native")
     if not 0 < cfg.train.step_weight <= 1:
@@ -321,10 +354,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(
                 "eval.num_speculative_tokens", f"must be positive integers, got {list(cfg.eval.num_speculative_tokens)}"
             )
-    known_suites = {"in_dist"}
-    for suite in cfg.eval.suites:
-        if suite not in known_suites:
-            raise ConfigError("eval.suites", f"unknown suite '{suite}'; allowed: {', '.join(sorted(known_suites))}")
+    _validate_suites(cfg)
     for backend in cfg.eval.backends:
         if backend not in {"ref"}:
             raise ConfigError("eval.backends", f"unknown backend '{backend}'; allowed: ref")
@@ -332,15 +362,50 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     if cfg.eval.temperature < 0:
         raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
-    if cfg.eval.prompt_len + cfg.eval.max_new_tokens + max(cfg.eval.num_speculative_tokens) + 1 > _max_positions(cfg):
-        raise ConfigError(
-            "eval.prompt_len",
-            f"prompt_len + max_new_tokens + k exceeds the target's max positions ({_max_positions(cfg)})",
-        )
+
+
+def _validate_suites(cfg: DictConfig) -> None:
+    from lab.target.chat import TEMPLATES
+
+    templates = ", ".join(TEMPLATES)
+    if cfg.data.template not in TEMPLATES:
+        raise ConfigError("data.template", f"unknown chat template '{cfg.data.template}'; allowed: {templates}")
+    if not cfg.eval.suites:
+        raise ConfigError("eval.suites", f"must name at least one suite; configured: {', '.join(cfg.suites)}")
+    room = _max_positions(cfg) - cfg.eval.max_new_tokens - max(cfg.eval.num_speculative_tokens) - 1
+    if cfg.eval.prompt_len > room:
+        raise ConfigError("eval.prompt_len", "prompt_len + max_new_tokens + k exceeds the target's max positions")
+    for name in cfg.eval.suites:
+        if name not in cfg.suites:
+            raise ConfigError("eval.suites", f"unknown suite '{name}'; configured: {', '.join(sorted(cfg.suites))}")
+        suite, key = cfg.suites[name], f"suites.{name}"
+        if suite.num_prompts is not None and suite.num_prompts <= 0:
+            raise ConfigError(f"{key}.num_prompts", f"must be a positive number, got {suite.num_prompts}")
+        if suite.kind == SuiteKind.long_context:
+            multiples = list(suite.context_multiples)
+            if not multiples or any(m <= 0 for m in multiples):
+                raise ConfigError(f"{key}.context_multiples", f"must be positive numbers, got {multiples}")
+            if max(multiples) * cfg.data.seq_len > room:
+                raise ConfigError(
+                    f"{key}.context_multiples",
+                    f"{max(multiples)} x data.seq_len={cfg.data.seq_len} tokens + max_new_tokens + k exceeds "
+                    f"the target's max positions ({_max_positions(cfg)})",
+                )
+        for t in list(suite.templates or []) + ([suite.template] if suite.template else []):
+            if t not in TEMPLATES:
+                raise ConfigError(f"{key}.templates", f"unknown chat template '{t}'; allowed: {templates}")
+        if suite.kind == SuiteKind.template and suite.templates is not None and cfg.data.template in suite.templates:
+            raise ConfigError(f"{key}.templates", f"'{cfg.data.template}' is the drafter's training template")
+        if suite.kind == SuiteKind.jsonl:
+            if not suite.path:
+                raise ConfigError(f"{key}.path", "required for a jsonl suite: a file with one JSON object per line")
+            if not Path(suite.path).is_file():
+                raise ConfigError(f"{key}.path", f"'{suite.path}' is not a readable file")
 
 
 def rollout_depth(cfg: DictConfig) -> int:
-    return cfg.eval.rollout_depth or min(3 * cfg.train.ttt_length, cfg.data.seq_len - 2)
+    deepest = max(3 * cfg.train.ttt_length, *cfg.eval.num_speculative_tokens)
+    return cfg.eval.rollout_depth or min(deepest, cfg.data.seq_len - 2)
 
 
 def _max_positions(cfg: DictConfig) -> int:

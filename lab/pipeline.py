@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from lab import track
 from lab.config import arm_name, aux_layers, config_hash, flatten, rollout_depth
 from lab.data.cache import build_or_load
-from lab.data.suites import load_suite
+from lab.data.suites import build_suite
 from lab.data.text import training_sequences
 from lab.drafter import save_native
 from lab.eval.run import evaluate_suite, heldout_metrics
@@ -33,17 +34,27 @@ def set_threads(cfg: DictConfig) -> None:
     torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
 
 
-def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None) -> RunResult:
+def run(
+    cfg: DictConfig,
+    progress: bool = True,
+    parent_run_id: str | None = None,
+    on_stage: Callable[[str], None] | None = None,
+) -> RunResult:
+    """One run; `on_stage(name)` is told when each stage starts (target, cache, train, eval ...)."""
+    stage = on_stage or (lambda name: None)
     set_threads(cfg)
     seconds: dict[str, float] = {}
     t0 = time.time()
+    stage("target")
     target = load_target(cfg, progress=progress)
     seconds["target"] = time.time() - t0
     layers = aux_layers(cfg)
     train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
     t0 = time.time()
+    stage("cache")
     hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
     seconds["cache"] = time.time() - t0
+    suites = [build_suite(name, target.tokenizer, cfg) for name in cfg.eval.suites]  # bad input fails here
 
     arm = arm_name(cfg)
     tags = {
@@ -63,8 +74,10 @@ def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None
             setup["target/val_loss"] = target.info["val_loss"]
         mlrun.log_metrics(setup)
 
-        drafter = init_drafter(target, cfg.drafter, layers, cfg.seed)
+        counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
+        drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
         t0 = time.time()
+        stage("train")
         result = train(
             drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, log=mlrun.log_metrics, progress=progress
         )
@@ -75,25 +88,28 @@ def run(cfg: DictConfig, progress: bool = True, parent_run_id: str | None = None
 
         metrics: dict[str, float | list[float]] = {"train/final_tokens_per_s": result.tokens_per_s}
         t0 = time.time()
-        for name in cfg.eval.suites:
-            suite = load_suite(name, target.tokenizer, cfg)
-            mlrun.log_dict({"suite": suite.describe(), "prompts": suite.prompts}, f"suites/{name}.json")
-            ks, e = list(cfg.eval.num_speculative_tokens), cfg.eval
-            metrics.update(
-                evaluate_suite(
-                    target.model,
-                    drafter,
-                    suite,
-                    ks,
-                    progress=progress,
-                    probes=e.probes,
-                    n_sink=e.n_sink,
-                    temperature=e.temperature,
-                    seed=cfg.seed,
-                )
+        for suite in suites:
+            stage(f"eval {suite.name}")
+            mlrun.log_dict({"suite": suite.describe(), "prompts": suite.records()}, f"suites/{suite.name}.json")
+            mlrun.log_dataset(suite.name, suite.records())
+            e = cfg.eval
+            suite_metrics = evaluate_suite(
+                target.model,
+                drafter,
+                suite,
+                list(e.num_speculative_tokens),
+                progress=progress,
+                probes=e.probes,
+                n_sink=e.n_sink,
+                temperature=e.temperature,
+                seed=cfg.seed,
             )
-        metrics.update(heldout_metrics(target, drafter, heldout, rollout_depth(cfg)))
+            mlrun.log_curves(suite_metrics)  # as each suite finishes: a later failure keeps them
+            metrics.update(suite_metrics)
+        stage("rollout")
+        final = heldout_metrics(target, drafter, heldout, rollout_depth(cfg))
         seconds["eval"] = time.time() - t0
-        metrics.update({f"time/{k}_s": v for k, v in seconds.items()})
-        mlrun.log_curves(metrics)
+        final.update({f"time/{k}_s": v for k, v in seconds.items()})
+        mlrun.log_curves(final)
+        metrics.update(final)
         return RunResult(mlrun.id, metrics, seconds)

@@ -28,12 +28,17 @@ def fake_hf(tmp_path):
 
 
 @pytest.mark.parametrize(("group", "name"), list(_group_entries()))
-def test_every_config_file_composes(group, name, fake_hf):
+def test_every_config_file_composes(group, name, fake_hf, tmp_path):
     overrides = [f"{group}={name}"]
     if (group, name) == ("target", "hf"):
         overrides.append(f"target.path={fake_hf}")
+    if group == "suite":  # a suite is selected into `suites.NAME` and evaluated by name
+        overrides = [f"suite=[{name}]", f"eval.suites=[{name}]"]
+        if name == "jsonl":
+            (tmp_path / "p.jsonl").write_text('{"prompt": "def f():"}\n')
+            overrides.append(f"suites.jsonl.path={tmp_path / 'p.jsonl'}")
     cfg = compose(overrides)
-    assert cfg[group] is not None
+    assert cfg["suites" if group == "suite" else group] is not None
     assert flatten(cfg)  # every value is representable as an MLflow param
 
 
@@ -68,7 +73,7 @@ def test_default_aux_layers_spread_over_the_target():
 
 
 BAD = [
-    (["drafter.foo=1"], "drafter.foo", "unknown config key; allowed under 'drafter': aux_layers, fc_norm"),
+    (["drafter.foo=1"], "drafter.foo", "unknown config key; allowed under 'drafter': aux_layers, draft_vocab_size, fc_norm"),
     (["foo=1"], "foo", "allowed under '<root>': arm, cache_dir, data"),
     (["drafter.fc_norm=both"], "drafter.fc_norm", "per_layer"),
     (["drafter.norm_type=batchnorm"], "drafter.norm_type", "layernorm"),
@@ -82,9 +87,16 @@ BAD = [
     (["train.lr=fast"], "train.lr", "Float"),
     (["drafter=eagle4"], "drafter", "eagle31"),
     (["eval.num_speculative_tokens=[0]"], "eval.num_speculative_tokens", "positive"),
-    (["eval.suites=[nope]"], "eval.suites", "in_dist"),
+    (["eval.suites=[nope]"], "eval.suites", "in_dist, jsonl, long_context"),
     (["target=hf"], "target.path", "required"),
     (["target=hf", "target.path=/nonexistent/model"], "target.path", "not a directory"),
+    (["data.template=alpaca"], "data.template", "chatml, llama3"),
+    (["suites.template.templates=[chatml]"], "suites.template.templates", "training template"),
+    (["suites.template.templates=[klingon]"], "suites.template.templates", "unknown chat template"),
+    (["suites.long_context.context_multiples=[2,32]"], "suites.long_context.context_multiples", "max positions"),
+    (["eval.suites=[jsonl]"], "suites.jsonl.path", "required"),
+    (["eval.suites=[jsonl]", "suites.jsonl.path=/no/such.jsonl"], "suites.jsonl.path", "not a readable file"),
+    (["drafter.draft_vocab_size=1"], "drafter.draft_vocab_size", ">= 2"),
 ]
 
 

@@ -7,7 +7,7 @@ import torch
 from helpers import small_drafter
 
 from lab.config import aux_layers
-from lab.data.suites import load_suite
+from lab.data.suites import build_suite
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
 from lab.eval.reference import speculative_decode
@@ -17,7 +17,7 @@ from lab.train.ttt import init_drafter
 
 @pytest.fixture(scope="module")
 def prompt(micro_cfg, micro_target):
-    return load_suite("in_dist", micro_target.tokenizer, micro_cfg).prompts[0]
+    return build_suite("in_dist", micro_target.tokenizer, micro_cfg).prompts[0]
 
 
 def test_probes_do_not_change_what_is_decoded(micro_target, trained_eagle3, prompt):
@@ -92,11 +92,11 @@ def test_fc_share_balances_layers_only_with_fc_norm():
 def test_rollout_accuracy_beyond_training_depth(micro_cfg, micro_target, micro_sequences, trained_eagle3):
     drafter, _ = trained_eagle3
     heldout = micro_sequences[1][:8]
-    cap = capture(micro_target.model, heldout, aux_layers(micro_cfg))
+    cap = capture(micro_target.model, heldout.input_ids, aux_layers(micro_cfg))
     top = (cap.final @ micro_target.lm_head_weight.T).argmax(-1)
     depth = 2 * micro_cfg.train.ttt_length
-    accs = rollout_accuracy(drafter, heldout, cap.aux, top, depth)
+    accs = rollout_accuracy(drafter, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask)
     untrained = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
-    base = rollout_accuracy(untrained, heldout, cap.aux, top, depth)
+    base = rollout_accuracy(untrained, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask)
     assert len(accs) == depth and all(0.0 <= a <= 1.0 for a in accs)
     assert accs[0] > base[0] + 0.1

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lab.config import aux_layers
-from lab.data.suites import load_suite
+from lab.data.suites import build_suite
 from lab.eval.reference import DecodeStats, speculative_decode, target_decode
 from lab.eval.run import evaluate_suite
 from lab.train.ttt import init_drafter
@@ -18,7 +18,7 @@ TOGGLES = list(itertools.product(["none", "per_layer", "concat"], [False, True],
 
 @pytest.fixture(scope="module")
 def prompts(micro_cfg, micro_target):
-    return load_suite("in_dist", micro_target.tokenizer, micro_cfg).prompts[:3]
+    return build_suite("in_dist", micro_target.tokenizer, micro_cfg).prompts[:3]
 
 
 @pytest.mark.parametrize(("fc_norm", "norm_output", "norm_type"), TOGGLES)
@@ -33,6 +33,27 @@ def test_output_equals_target_greedy_for_every_toggle(
         tokens, stats = speculative_decode(micro_target.model, drafter, prompt, 24, k)
         assert tokens == reference
         assert stats.rounds > 0 and 1.0 <= stats.acceptance_length <= k + 1
+
+
+def test_smaller_draft_vocabulary_is_lossless_and_trains(micro_cfg, micro_target, micro_hidden, prompts):
+    """EAGLE-3's d2t: lm_head over the most frequent tokens, mapped back to target ids."""
+    from lab.train.ttt import train
+
+    dcfg = micro_cfg.drafter.copy()
+    dcfg.draft_vocab_size = 96
+    counts = torch.bincount(micro_hidden.input_ids[micro_hidden.loss_mask.bool()], minlength=micro_target.vocab_size)
+    drafter = init_drafter(micro_target, dcfg, aux_layers(micro_cfg), seed=0, token_counts=counts)
+    ids = drafter.draft_token_ids()
+    assert len(ids) == 96 and ids.tolist() == sorted(ids.tolist())
+    assert counts[ids].min() >= counts[torch.ones(len(counts), dtype=torch.bool).index_fill_(0, ids, False)].max()
+    tcfg = micro_cfg.train.copy()
+    tcfg.steps = 20
+    result = train(drafter, micro_hidden, micro_target.lm_head_weight, tcfg, seed=0, progress=False)
+    assert result.last["train/acc_0"] > 0.2
+    for prompt in prompts:
+        reference, _ = target_decode(micro_target.model, prompt, 24)
+        tokens, _ = speculative_decode(micro_target.model, drafter, prompt, 24, 3)
+        assert tokens == reference
 
 
 def test_acceptance_bookkeeping():
@@ -50,7 +71,7 @@ def test_acceptance_bookkeeping():
 def test_trained_drafter_beats_untrained(micro_cfg, micro_target, trained_eagle3):
     trained, result = trained_eagle3
     untrained = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
-    suite = load_suite("in_dist", micro_target.tokenizer, micro_cfg)
+    suite = build_suite("in_dist", micro_target.tokenizer, micro_cfg)
     good = evaluate_suite(micro_target.model, trained, suite, [3], progress=False)
     bad = evaluate_suite(micro_target.model, untrained, suite, [3], progress=False)
     assert good["eval/in_dist/ref/k3/al"] > bad["eval/in_dist/ref/k3/al"] + 0.2, (good, bad)

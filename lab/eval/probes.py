@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from lab.drafter import Eagle3Drafter
 
@@ -37,6 +38,10 @@ class DriftProbes:
         self.self_[j - 1] += rows[..., first_self_key:].sum(-1).mean().item()
         self.feedback_rms[j - 1] += fed_back.float().pow(2).mean().sqrt().item()
         self.count[j - 1] += 1
+
+    def merge(self, other: DriftProbes) -> None:
+        for name in ("sink", "self_", "feedback_rms", "count"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)])
 
     def curves(self) -> dict[str, list[float]]:
         n = [max(c, 1) for c in self.count]
@@ -70,19 +75,30 @@ def fc_share(drafter: Eagle3Drafter, aux: torch.Tensor) -> list[float]:
 
 @torch.no_grad()
 def rollout_accuracy(
-    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, target_top: torch.Tensor, depth: int
+    drafter: Eagle3Drafter,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    target_top: torch.Tensor,
+    depth: int,
+    loss_mask: torch.Tensor | None = None,
 ) -> list[float]:
     """Teacher-forced top-1 agreement with the target at unrolled depth d = 1..depth (the drafter's
     own feedback, as in training): input_ids [B, T], aux [B, T, A*H], target_top [B, T] the target's
-    argmax at each position."""
+    argmax at each position; counted where loss_mask of the predicted token is 1 (all if None)."""
     t = input_ids.shape[1]
     if depth >= t - 1:
         raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
-    shifted = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+    shifted = F.pad(input_ids[:, 1:], (0, 1))
     outs = drafter.unroll(shifted, aux.float(), depth)
+    # target_top[j] predicts x_{j+1}: counted where x_{j+1} is the assistant's
+    counted = (
+        torch.ones_like(input_ids, dtype=torch.float) if loss_mask is None else F.pad(loss_mask[:, 1:].float(), (0, 1))
+    )
     accs = []
     for i, h_out in enumerate(outs):
         n = t - 1 - i
         pred = drafter.to_target_ids(drafter.logits(h_out[:, :n]).argmax(-1))
-        accs.append((pred == target_top[:, i + 1 : i + 1 + n]).float().mean().item())
+        weight = counted[:, i + 1 : i + 1 + n]
+        hits = (pred == target_top[:, i + 1 : i + 1 + n]).float()
+        accs.append(((hits * weight).sum() / weight.sum().clamp_min(1.0)).item())
     return accs

@@ -47,7 +47,8 @@ class DecodeStats:
             self.accepted_at = [0] * len(other.accepted_at)
         self.rounds += other.rounds
         self.accepted += other.accepted
-        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)]
+        if other.accepted_at:
+            self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)]
         self.generated += other.generated
         self.seconds += other.seconds
 

@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lab.data.suites import Suite
+from lab.data.text import Sequences
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
 from lab.eval.reference import DecodeStats, speculative_decode, target_decode
@@ -29,51 +30,82 @@ def evaluate_suite(
     seed: int = 0,
 ) -> Metrics:
     """AL, acceptance curves, tokens/s and speedup over plain decoding of the target, per k, measured
-    side by side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too."""
+    side by side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too. A suite
+    with several variants also gets each variant's metrics under `{suite}.{variant}`."""
     drafter.eval()
     # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
     target_decode(target_model, suite.prompts[0], 4)
     speculative_decode(target_model, drafter, suite.prompts[0], 4, max(ks))
 
-    base_seconds, base_tokens = 0.0, 0
-    totals = {k: DecodeStats() for k in ks}
-    matches = dict.fromkeys(ks, 0)
-    drift = {k: DriftProbes(k, n_sink) for k in ks} if probes else {}
+    results = {v: _Tally(ks, n_sink, probes) for v in dict.fromkeys(suite.variants)}
     bar = tqdm(suite.prompts, desc=f"eval {suite.name} k={ks}", unit="prompt", disable=not progress)
     gen = torch.Generator().manual_seed(seed)
-    for prompt in bar:
+    for prompt, variant in zip(bar, suite.variants, strict=True):
+        tally = results[variant]
         reference, seconds = target_decode(target_model, prompt, suite.max_new_tokens, temperature, gen)
-        base_seconds += seconds
-        base_tokens += len(reference)
+        tally.base_seconds += seconds
+        tally.base_tokens += len(reference)
+        tally.prompts += 1
         for k in ks:
             tokens, stats = speculative_decode(
-                target_model, drafter, prompt, suite.max_new_tokens, k, drift.get(k), temperature, gen
+                target_model, drafter, prompt, suite.max_new_tokens, k, tally.drift.get(k), temperature, gen
             )
-            totals[k].merge(stats)
-            matches[k] += int(tokens == reference)
-    metrics: Metrics = {f"eval/{suite.name}/ref/baseline_tokens_per_s": base_tokens / base_seconds}
-    for k, st in totals.items():
-        prefix = f"eval/{suite.name}/ref/k{k}"
-        metrics[f"{prefix}/al"] = st.acceptance_length
-        metrics[f"{prefix}/accept_rate"] = st.accept_rate
-        metrics[f"{prefix}/cond_accept_rate"] = st.conditional_accept_rate
-        metrics[f"{prefix}/tokens_per_s"] = st.generated / st.seconds
-        metrics[f"{prefix}/speedup"] = base_seconds / st.seconds
-        if temperature == 0:  # sampled outputs differ from the baseline's samples by design
-            metrics[f"{prefix}/exact_match"] = matches[k] / len(suite.prompts)
-        if probes:
-            metrics.update({f"drift/{suite.name}/k{k}/{name}": c for name, c in drift[k].curves().items()})
+            tally.stats[k].merge(stats)
+            tally.matches[k] += int(tokens == reference)
+    total = _Tally(ks, n_sink, probes)
+    for tally in results.values():
+        total.merge(tally)
+    metrics = total.metrics(suite.name, temperature)
+    if len(results) > 1:
+        for variant, tally in results.items():
+            metrics.update(tally.metrics(f"{suite.name}.{variant}", temperature))
     return metrics
 
 
+class _Tally:
+    """Decode statistics and drift probes of one suite variant, per k."""
+
+    def __init__(self, ks: list[int], n_sink: int, probes: bool):
+        self.base_seconds, self.base_tokens, self.prompts = 0.0, 0, 0
+        self.stats = {k: DecodeStats() for k in ks}
+        self.matches = dict.fromkeys(ks, 0)
+        self.drift = {k: DriftProbes(k, n_sink) for k in ks} if probes else {}
+
+    def merge(self, other: _Tally) -> None:
+        self.base_seconds += other.base_seconds
+        self.base_tokens += other.base_tokens
+        self.prompts += other.prompts
+        for k, st in other.stats.items():
+            self.stats[k].merge(st)
+            self.matches[k] += other.matches[k]
+            if k in other.drift:
+                self.drift[k].merge(other.drift[k])
+
+    def metrics(self, name: str, temperature: float) -> Metrics:
+        out: Metrics = {f"eval/{name}/ref/baseline_tokens_per_s": self.base_tokens / self.base_seconds}
+        for k, st in self.stats.items():
+            prefix = f"eval/{name}/ref/k{k}"
+            out[f"{prefix}/al"] = st.acceptance_length
+            out[f"{prefix}/accept_rate"] = st.accept_rate
+            out[f"{prefix}/cond_accept_rate"] = st.conditional_accept_rate
+            out[f"{prefix}/tokens_per_s"] = st.generated / st.seconds
+            out[f"{prefix}/speedup"] = self.base_seconds / st.seconds
+            if temperature == 0:  # sampled outputs differ from the baseline's samples by design
+                out[f"{prefix}/exact_match"] = self.matches[k] / self.prompts
+            if k in self.drift:
+                out.update({f"drift/{name}/k{k}/{c}": v for c, v in self.drift[k].curves().items()})
+        return out
+
+
 @torch.no_grad()
-def heldout_metrics(
-    target, drafter: Eagle3Drafter, heldout: torch.Tensor, depth: int, suite: str = "in_dist"
-) -> Metrics:
-    """Teacher-forced rollout accuracy per depth and the captured layers' fc shares, on held-out text."""
-    cap = capture(target.model, heldout, drafter.spec.aux_layer_ids)
+def heldout_metrics(target, drafter: Eagle3Drafter, heldout: Sequences, depth: int, suite: str = "in_dist") -> Metrics:
+    """Teacher-forced rollout accuracy per depth (on the assistant's tokens) and the captured layers'
+    fc shares, on held-out conversations."""
+    cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)
     top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
     return {
-        f"eval/{suite}/rollout/acc": rollout_accuracy(drafter, heldout, cap.aux, top, depth),
+        f"eval/{suite}/rollout/acc": rollout_accuracy(
+            drafter, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask
+        ),
         "drift/fc_share": fc_share(drafter, cap.aux),
     }

@@ -112,6 +112,12 @@ class Run:
     def log_dict(self, data: dict, name: str) -> None:
         mlflow.log_dict(data, name)
 
+    def log_dataset(self, name: str, records: list[dict], context: str = "eval") -> None:
+        """A table of rows as an MLflow dataset input of the run (shown in the UI's Datasets panel)."""
+        import pandas as pd
+
+        mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame.from_records(records), name=name), context=context)
+
 
 @contextlib.contextmanager
 def start_run(
@@ -142,6 +148,52 @@ def start_run(
         raise
     else:
         mlflow.end_run(status="FINISHED")
+
+
+@contextlib.contextmanager
+def parent_run(
+    uri: str, artifact_root: str, experiment: str, run_name: str, key: str, tags: dict[str, Any]
+) -> Iterator[Run]:
+    """The parent run of a study, resumed if one with the same `key` exists (rerunning continues it)."""
+    configure(uri)
+    exp_id = ensure_experiment(experiment, artifact_root)
+    found = MlflowClient().search_runs(
+        [exp_id], filter_string=f"tags.`lab.role` = 'parent' and tags.`lab.study_key` = '{key}'", max_results=1
+    )
+    all_tags = {**{k: str(v) for k, v in tags.items()}, "lab.role": "parent", "lab.study_key": key}
+    if found:
+        active = mlflow.start_run(run_id=found[0].info.run_id)
+        mlflow.set_tags(all_tags)
+    else:
+        active = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags)
+    try:
+        yield Run(active.info.run_id)
+    except KeyboardInterrupt:
+        mlflow.end_run(status="KILLED")
+        raise
+    except BaseException:
+        mlflow.end_run(status="FAILED")
+        raise
+    else:
+        mlflow.end_run(status="FINISHED")
+
+
+def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[Any]:
+    """Runs nested under `parent_run_id` (optionally only those with `status`, e.g. FINISHED)."""
+    configure(uri)
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    query = f"tags.`mlflow.parentRunId` = '{parent_run_id}'"
+    if status:
+        query += f" and attributes.status = '{status}'"
+    return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
+
+
+def metric_curve(uri: str, run_id: str, key: str) -> list[float]:
+    """A curve logged with step = 1, 2, ...: its values in step order."""
+    configure(uri)
+    history = MlflowClient().get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 
 def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]:
