@@ -16,7 +16,10 @@ EPILOG = """examples:
   lab run target=micro data=micro train=quick eval=quick   # a smoke run in about a minute
   lab run target=hf target.path=/models/my-llama drafter.aux_layers=[2,8,13]
   lab target build                          # build (or find) the default target
-config groups: target data drafter train eval tracking (see configs/); any key: group.key=value
+  lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
+  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick   # the same, in minutes
+config groups: target data drafter train eval suite tracking (see configs/); any key: group.key=value
+experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness (see experiments/)
 """
 
 
@@ -30,13 +33,52 @@ def cmd_run(overrides: list[str]) -> int:
     from lab.pipeline import run
 
     result = run(cfg)
-    shown = {k: v for k, v in result.metrics.items() if k.endswith(("/al", "/speedup")) or "val_loss" in k}
+    shown = {
+        k: v
+        for k, v in result.metrics.items()
+        if k.endswith(("/al", "/speedup")) and "." not in k.split("/")[1]  # suites, not their variants
+    }
     for key in sorted(shown):
         print(f"  {key:40s} {shown[key]:.3f}")
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items()))
     print(f"MLflow run id: {result.run_id}   (store: {cfg.tracking.uri}; browse with `lab ui`)")
     print(result.run_id)
     return 0
+
+
+def cmd_ablate(overrides: list[str]) -> int:
+    from pathlib import Path
+
+    from lab.sweep import experiment
+
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")]
+    if not names:
+        choices = ", ".join(experiment.available())
+        return _fail(f"experiment: required, e.g. `lab ablate experiment=drift_2x2`; available: {choices}")
+    exp = experiment.load(names[-1])
+    extra = [o for o in overrides if not o.startswith("experiment=")]
+    from lab.report.tables import collect, markdown
+    from lab.sweep.ablate import ablate
+
+    result = ablate(exp, extra)
+    cfg = compose(exp.run_overrides(exp.arms[0], exp.seeds[0], extra))
+    table = markdown(
+        cfg.tracking.uri,
+        collect(cfg.tracking.uri, result.parent_run_id, [(a.name, a.label) for a in exp.arms]),
+        exp.baseline,
+    )
+    out = Path("reports") / exp.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(f"# {exp.name}: {exp.description}\n\n{table}\n")
+    print(f"\n{table}\n")
+    print(
+        f"ablation {exp.name}: ran {len(result.ran)}, skipped {len(result.skipped)} (already finished), "
+        f"failed {len(result.failed)} in {result.seconds / 60:.1f} min; parent run {result.parent_run_id}; "
+        f"tables in {out / 'summary.md'}; browse with `lab ui`"
+    )
+    for (arm, seed), why in result.failed.items():
+        print(f"  failed: {arm} seed {seed}: {why}")
+    return 1 if result.failed else 0
 
 
 def cmd_target_build(overrides: list[str]) -> int:
@@ -108,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True)
     run = sub.add_parser("run", help="one run: target -> cache -> train -> evaluate -> MLflow; prints the run id")
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
+    abl = sub.add_parser(
+        "ablate", help="every arm x seed of experiments/NAME.yaml as child runs of one parent run (resumable)"
+    )
+    abl.add_argument("overrides", nargs="*", help="experiment=NAME, then Hydra overrides applied to every arm")
     target = sub.add_parser("target", help="target model commands")
     tsub = target.add_subparsers(dest="target_verb", required=True)
     build = tsub.add_parser("build", help="build (or find in the cache) the configured target")
@@ -125,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers: dict[str, Callable[[], int]] = {
         "run": lambda: cmd_run(args.overrides),
+        "ablate": lambda: cmd_ablate(args.overrides),
         "target": lambda: cmd_target_build(args.overrides),
         "doctor": lambda: cmd_doctor(args.overrides),
         "ui": lambda: cmd_ui(args),

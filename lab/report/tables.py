@@ -1,0 +1,116 @@
+"""Ablation tables from MLflow alone: AL per arm x suite (mean +- std over seeds), rollout accuracy,
+and the drift numbers (sink / self attention mass at the first and deepest drafting step, norm growth)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+
+from lab import track
+
+
+@dataclass
+class ArmRuns:
+    name: str
+    label: str
+    runs: list = field(default_factory=list)  # MLflow runs (FINISHED children)
+
+
+def _mean_std(values: list[float]) -> str:
+    if not values:
+        return "-"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.3f} ± {std:.3f}"
+
+
+def _param(run, key: str, default: str = "") -> str:
+    return run.data.params.get(key, default)
+
+
+def collect(uri: str, parent_run_id: str, arms: list[tuple[str, str]]) -> list[ArmRuns]:
+    """FINISHED child runs of the parent, grouped by arm in the experiment's order."""
+    groups = {name: ArmRuns(name, label) for name, label in arms}
+    for run in track.child_runs(uri, parent_run_id, status="FINISHED"):
+        arm = run.data.tags.get("arm")
+        if arm in groups:
+            groups[arm].runs.append(run)
+    return list(groups.values())
+
+
+def _curve_at(uri: str, run, key: str, step: int | None) -> float | None:
+    curve = track.metric_curve(uri, run.info.run_id, key)
+    if not curve:
+        return None
+    return curve[-1] if step is None else curve[step - 1]
+
+
+def markdown(uri: str, groups: list[ArmRuns], baseline: str) -> str:
+    """The arms x suites AL table, the rollout table and the drift table, as Markdown."""
+    runs = [r for g in groups for r in g.runs]
+    if not runs:
+        return "(no finished runs)"
+    suites = json.loads(_param(runs[0], "eval.suites", "[]"))
+    ks = json.loads(_param(runs[0], "eval.num_speculative_tokens", "[]"))
+    depths = sorted({int(_param(r, "train.ttt_length", "0")) for r in runs} & set(ks)) + [max(ks)]
+    depths = sorted(set(depths))
+    base = next((g for g in groups if g.name == baseline), None)
+
+    def al(g: ArmRuns, suite: str, k: int) -> list[float]:
+        key = f"eval/{suite}/ref/k{k}/al"
+        return [r.data.metrics[key] for r in g.runs if key in r.data.metrics]
+
+    head = ["arm", "n"] + [f"{s} k={k}" for s in suites for k in depths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        cells = [g.label, str(len(g.runs))]
+        for s in suites:
+            for k in depths:
+                values, cell = al(g, s, k), _mean_std(al(g, s, k))
+                if base is not None and g is not base and values and al(base, s, k):
+                    change = statistics.mean(values) / statistics.mean(al(base, s, k)) - 1
+                    cell += f" ({change:+.1%})"
+                cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    tables = ["AL (mean ± std over seeds; change vs " + (base.label if base else baseline) + ")", *lines]
+
+    kmax = max(ks)
+    head = [
+        "arm",
+        "rollout acc @depth",
+        "sink k=1",
+        f"sink k={kmax}",
+        "self k=1",
+        f"self k={kmax}",
+        f"norm growth k={kmax}",
+        "fc_share",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    suite = suites[0]
+    for g in groups:
+
+        def values(key: str, step: int | None, runs=g.runs) -> list[float]:
+            return [v for r in runs if (v := _curve_at(uri, r, key, step)) is not None]
+
+        depth = len(track.metric_curve(uri, g.runs[0].info.run_id, f"eval/{suite}/rollout/acc")) if g.runs else 0
+        drift = f"drift/{suite}/k{kmax}"
+        shares = [track.metric_curve(uri, r.info.run_id, "drift/fc_share") for r in g.runs]
+        share = " / ".join(f"{statistics.mean(col):.2f}" for col in zip(*shares, strict=True)) if shares else "-"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    g.label,
+                    f"{_mean_std(values(f'eval/{suite}/rollout/acc', None))} @{depth}",
+                    _mean_std(values(f"{drift}/sink_mass", 1)),
+                    _mean_std(values(f"{drift}/sink_mass", kmax)),
+                    _mean_std(values(f"{drift}/self_mass", 1)),
+                    _mean_std(values(f"{drift}/self_mass", kmax)),
+                    _mean_std(values(f"{drift}/norm_growth", kmax)),
+                    share,
+                ]
+            )
+            + " |"
+        )
+    tables += ["", f"Rollout accuracy and drift ({suite}, k={kmax})", *lines]
+    return "\n".join(tables)

@@ -1,0 +1,1 @@
+"""Studies over composed configs: experiments (arms x seeds) and their ablation runner."""

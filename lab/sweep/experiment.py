@@ -1,0 +1,94 @@
+"""Paper-style studies (`experiments/NAME.yaml`): arms as Hydra override deltas, seeds, suites, and
+the tables and figures they feed. Every arm x seed composes and validates before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig
+
+from lab.config import ConfigError, compose
+from lab.fsutil import short_hash
+
+EXPERIMENT_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
+
+
+@dataclass
+class Arm:
+    name: str
+    label: str
+    overrides: list[str]
+
+
+@dataclass
+class Experiment:
+    name: str
+    description: str
+    arms: list[Arm]
+    seeds: list[int]
+    baseline: str
+    overrides: list[str] = field(default_factory=list)  # applied to every arm
+    figures: list[str] = field(default_factory=list)
+
+    def run_overrides(self, arm: Arm, seed: int, extra: list[str]) -> list[str]:
+        """Experiment-wide deltas, then the arm's, then the user's, then the run's identity."""
+        return [*self.overrides, *arm.overrides, *extra, f"study={self.name}", f"arm={arm.name}", f"seed={seed}"]
+
+    def compose_all(self, extra: list[str]) -> dict[tuple[str, int], DictConfig]:
+        """The config of every arm x seed (raises ConfigError naming the arm on a bad delta)."""
+        configs = {}
+        for arm in self.arms:
+            for seed in self.seeds:
+                try:
+                    configs[(arm.name, seed)] = compose(self.run_overrides(arm, seed, extra))
+                except ConfigError as exc:
+                    raise ConfigError(f"experiments/{self.name}.yaml arm '{arm.name}': {exc.key}", str(exc)) from None
+        return configs
+
+    def key(self, extra: list[str]) -> str:
+        """Identity of one ablation study: the spec and the user's overrides."""
+        return short_hash({"arms": [a.__dict__ for a in self.arms], "seeds": self.seeds, "o": self.overrides + extra})
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in EXPERIMENT_DIR.glob("*.yaml"))
+
+
+def load(name: str, folder: Path = EXPERIMENT_DIR) -> Experiment:
+    """Read and check `experiments/NAME.yaml`; raises ConfigError naming the key and what is expected."""
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("experiment", f"unknown experiment '{name}'; available: {', '.join(available())}")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"experiments/{name}.yaml", f"not valid YAML: {str(exc).splitlines()[0]}") from None
+    where = f"experiments/{name}.yaml"
+    if not isinstance(spec, dict) or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
+        raise ConfigError(f"{where}: arms", "expected a mapping of arm name -> {label, overrides}")
+    allowed = {"description", "baseline", "seeds", "overrides", "arms", "figures"}
+    unknown = set(spec) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: {sorted(unknown)[0]}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    arms = []
+    for arm_name, arm in spec["arms"].items():
+        if not isinstance(arm, dict) or not isinstance(arm.get("overrides", []), list):
+            raise ConfigError(f"{where}: arms.{arm_name}", "expected {label: ..., overrides: [key=value, ...]}")
+        arms.append(Arm(str(arm_name), str(arm.get("label", arm_name)), [str(o) for o in arm.get("overrides", [])]))
+    seeds = spec.get("seeds", [0, 1, 2])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"{where}: seeds", f"expected a non-empty list of integers, got {seeds}")
+    baseline = str(spec.get("baseline", arms[0].name))
+    if baseline not in {a.name for a in arms}:
+        raise ConfigError(f"{where}: baseline", f"'{baseline}' is not an arm; arms: {', '.join(a.name for a in arms)}")
+    return Experiment(
+        name=name,
+        description=str(spec.get("description", "")),
+        arms=arms,
+        seeds=seeds,
+        baseline=baseline,
+        overrides=[str(o) for o in spec.get("overrides", [])],
+        figures=[str(f) for f in spec.get("figures", [])],
+    )

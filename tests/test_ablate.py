@@ -1,0 +1,65 @@
+"""Experiments compose for every arm x seed; `lab ablate` runs them as children of one parent run and
+resumes without rerunning what finished."""
+
+from __future__ import annotations
+
+import pytest
+
+from lab import track
+from lab.config import ConfigError
+from lab.sweep import experiment
+from lab.sweep.ablate import ablate
+
+
+@pytest.mark.parametrize("name", experiment.available())
+def test_every_experiment_composes(name):
+    exp = experiment.load(name)
+    configs = exp.compose_all([])
+    assert len(exp.seeds) >= 3 and len(configs) == len(exp.arms) * len(exp.seeds)
+    assert exp.baseline in {a.name for a in exp.arms}
+    assert {cfg.arm for cfg in configs.values()} == {a.name for a in exp.arms}
+    assert all(cfg.study == name for cfg in configs.values())
+
+
+def test_shipped_experiments_cover_the_paper():
+    assert {"drift_2x2", "norm_type", "depth_extrapolation", "long_context", "template_robustness"} <= set(
+        experiment.available()
+    )
+    arms = {a.name: a.overrides for a in experiment.load("drift_2x2").arms}
+    assert len(arms) == 4
+
+
+def test_bad_experiments_fail_with_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'; available: depth_extrapolation"):
+        experiment.load("nope")
+    (tmp_path / "bad.yaml").write_text("arms:\n  a:\n    overrides: [drafter.fc_norm=both]\n")
+    with pytest.raises(ConfigError, match="arm 'a': drafter.fc_norm"):
+        experiment.load("bad", tmp_path).compose_all([])
+    (tmp_path / "typo.yaml").write_text("arms:\n  a: {overrides: []}\nseed: [1]\n")
+    with pytest.raises(ConfigError, match="typo.yaml: seed: unknown key"):
+        experiment.load("typo", tmp_path)
+
+
+@pytest.mark.slow
+def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_path):
+    (tmp_path / "tiny.yaml").write_text(
+        "baseline: e3\nseeds: [0, 1]\noverrides: [train.steps=6, eval.num_prompts=2]\n"
+        "arms:\n  e3: {overrides: [drafter=eagle3]}\n  e31: {overrides: [drafter=eagle31]}\n"
+    )
+    exp = experiment.load("tiny", tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    extra = [*micro_overrides, f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path / 'art'}"]
+    first = ablate(exp, extra, progress=False)
+    assert sorted(first.ran) == [("e3", 0), ("e3", 1), ("e31", 0), ("e31", 1)] and not first.failed
+    children = track.child_runs(uri, first.parent_run_id, status="FINISHED")
+    assert sorted((r.data.tags["arm"], r.data.tags["seed"]) for r in children) == [
+        ("e3", "0"),
+        ("e3", "1"),
+        ("e31", "0"),
+        ("e31", "1"),
+    ]
+    assert all(r.data.tags["study"] == "tiny" and "eval/in_dist/ref/k3/al" in r.data.metrics for r in children)
+    again = ablate(exp, extra, progress=False)
+    assert again.parent_run_id == first.parent_run_id
+    assert again.ran == [] and len(again.skipped) == 4
+    assert len(track.child_runs(uri, first.parent_run_id)) == 4
