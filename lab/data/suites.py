@@ -147,7 +147,7 @@ def read_jsonl(path: Path, renderer: chat.Renderer, template: str, key: str) -> 
             roles = {m.get("role") for m in messages}
             if not messages or not roles <= {"system", "user", "assistant"}:
                 raise ConfigError(key, f"{where}: messages need roles system/user/assistant, got {sorted(roles)}")
-            turns = [(m["role"], renderer.encode(str(m.get("content", "")))) for m in messages]
+            turns = [(m["role"], str(m.get("content", "")), []) for m in messages]
             ids = renderer.render_turns(chat.TEMPLATES[template], turns)[0]
         out.append((str(row.get("category", "all")), ids))
     if not out:

@@ -125,41 +125,44 @@ class Renderer:
         return list(self._encode(text))
 
     def render_turns(
-        self, template: ChatTemplate, turns: list[tuple[str, list[int]]], open_assistant: bool = True
+        self, template: ChatTemplate, turns: list[tuple[str, str, list[int]]], open_assistant: bool = True
     ) -> tuple[list[int], list[int]]:
-        """ids = BOS, then each (role, content ids) turn in the template's markers, then (with
-        `open_assistant`) the opening of the assistant's turn; mask marks assistant content and
-        closings (what a drafter is trained to predict). A system turn in a template without a system
-        role opens the next user turn instead."""
+        """ids = BOS, then each (role, text, ids) turn in the template's markers, then (with
+        `open_assistant`) the opening of the assistant's turn; mask marks the assistant's ids and closing
+        (what a drafter is trained to predict). A turn's text is encoded together with the marker before
+        it (and, without ids, with the one after: the way the target's corpus was tokenized). A system
+        turn in a template without a system role opens the next user turn instead."""
         ids, mask = ([self.bos], [0]) if self.bos is not None else ([], [])
-        carried: list[int] = []
-        for role, content in turns:
+
+        def add(piece, masked: bool = False) -> None:
+            ids.extend(piece)
+            mask.extend([int(masked)] * len(piece))
+
+        carried = ""
+        for role, text, content in turns:
             if role == "system" and template.system is None:
-                carried = content + self.encode("\n\n")
+                carried = text + "\n\n"
                 continue
             if role == "user":
-                content, carried = carried + content, []
+                text, carried = carried + text, ""
             before, after = template.parts(role)
+            if not content:
+                add(self._encode(before + text + after))
+                continue
             is_assistant = role == "assistant"
-            for piece, masked in (
-                (self._encode(before), False),
-                (content, is_assistant),
-                (self._encode(after), is_assistant),
-            ):
-                ids.extend(piece)
-                mask.extend([int(masked)] * len(piece))
+            add(self._encode(before + text))
+            add(content, is_assistant)
+            add(self._encode(after), is_assistant)
         if open_assistant:
-            opening = self._encode(template.parts("assistant")[0])
-            ids.extend(opening)
-            mask.extend([0] * len(opening))
+            add(self._encode(template.parts("assistant")[0]))
         return ids, mask
 
     def render(self, template: ChatTemplate, conv: Conversation) -> tuple[list[int], list[int]]:
         """The conversation's ids and mask; with `assistant_ids` None it ends where the assistant starts."""
-        turns = [("system", self.encode(conv.system))] if conv.system is not None else []
-        turns.append(("user", self.encode(conv.user + "\n") + conv.user_ids))
+        turns = [("system", conv.system, [])] if conv.system is not None else []
+        turns.append(("user", conv.user + "\n", conv.user_ids))
         if conv.assistant_ids is not None:
-            turns.append(("assistant", conv.assistant_ids))
+            turns.append(("assistant", "", conv.assistant_ids))
         return self.render_turns(template, turns, open_assistant=conv.assistant_ids is None)
 
 
