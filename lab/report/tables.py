@@ -38,13 +38,6 @@ def collect(uri: str, parent_run_id: str, arms: list[tuple[str, str]]) -> list[A
     return list(groups.values())
 
 
-def _curve_at(uri: str, run, key: str, step: int | None) -> float | None:
-    curve = track.metric_curve(uri, run.info.run_id, key)
-    if not curve:
-        return None
-    return curve[-1] if step is None else curve[step - 1]
-
-
 def markdown(uri: str, groups: list[ArmRuns], baseline: str) -> str:
     """The arms x suites AL table, the rollout table and the drift table, as Markdown."""
     runs = [r for g in groups for r in g.runs]
@@ -52,8 +45,7 @@ def markdown(uri: str, groups: list[ArmRuns], baseline: str) -> str:
         return "(no finished runs)"
     suites = json.loads(_param(runs[0], "eval.suites", "[]"))
     ks = json.loads(_param(runs[0], "eval.num_speculative_tokens", "[]"))
-    depths = sorted({int(_param(r, "train.ttt_length", "0")) for r in runs} & set(ks)) + [max(ks)]
-    depths = sorted(set(depths))
+    depths = sorted(({int(_param(r, "train.ttt_length", "0")) for r in runs} & set(ks)) | {max(ks)})
     base = next((g for g in groups if g.name == baseline), None)
 
     def al(g: ArmRuns, suite: str, k: int) -> list[float]:
@@ -75,42 +67,33 @@ def markdown(uri: str, groups: list[ArmRuns], baseline: str) -> str:
     tables = ["AL (mean ± std over seeds; change vs " + (base.label if base else baseline) + ")", *lines]
 
     kmax = max(ks)
-    head = [
-        "arm",
-        "rollout acc @depth",
-        "sink k=1",
-        f"sink k={kmax}",
-        "self k=1",
-        f"self k={kmax}",
-        f"norm growth k={kmax}",
-        "fc_share",
-    ]
+
+    def curves(g: ArmRuns, key: str) -> list[list[float]]:
+        return [c for r in g.runs if (c := track.metric_curve(uri, r.info.run_id, key))]
+
+    def at(g: ArmRuns, key: str, step: int) -> str:
+        return _mean_std([c[step - 1] for c in curves(g, key)])
+
+    head = ["arm", "suite", "sink k=1", f"sink k={kmax}", "self k=1", f"self k={kmax}", f"norm growth k={kmax}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    suite = suites[0]
     for g in groups:
+        for s in suites:
+            d = f"drift/{s}/k{kmax}"
+            cells = [g.label, s, at(g, f"{d}/sink_mass", 1), at(g, f"{d}/sink_mass", kmax)]
+            cells += [at(g, f"{d}/self_mass", 1), at(g, f"{d}/self_mass", kmax), at(g, f"{d}/norm_growth", kmax)]
+            lines.append("| " + " | ".join(cells) + " |")
+    tables += ["", f"Drift along the speculation chain (drafting step 1 and k={kmax})", *lines]
 
-        def values(key: str, step: int | None, runs=g.runs) -> list[float]:
-            return [v for r in runs if (v := _curve_at(uri, r, key, step)) is not None]
-
-        depth = len(track.metric_curve(uri, g.runs[0].info.run_id, f"eval/{suite}/rollout/acc")) if g.runs else 0
-        drift = f"drift/{suite}/k{kmax}"
-        shares = [track.metric_curve(uri, r.info.run_id, "drift/fc_share") for r in g.runs]
+    head = ["arm", "rollout acc at depth 1", "rollout acc at the deepest depth", "fc_share per captured layer"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        rollout = curves(g, "eval/in_dist/rollout/acc")
+        shares = curves(g, "drift/fc_share")
         share = " / ".join(f"{statistics.mean(col):.2f}" for col in zip(*shares, strict=True)) if shares else "-"
+        depth = len(rollout[0]) if rollout else 0
         lines.append(
-            "| "
-            + " | ".join(
-                [
-                    g.label,
-                    f"{_mean_std(values(f'eval/{suite}/rollout/acc', None))} @{depth}",
-                    _mean_std(values(f"{drift}/sink_mass", 1)),
-                    _mean_std(values(f"{drift}/sink_mass", kmax)),
-                    _mean_std(values(f"{drift}/self_mass", 1)),
-                    _mean_std(values(f"{drift}/self_mass", kmax)),
-                    _mean_std(values(f"{drift}/norm_growth", kmax)),
-                    share,
-                ]
-            )
-            + " |"
+            f"| {g.label} | {at(g, 'eval/in_dist/rollout/acc', 1)} | "
+            f"{at(g, 'eval/in_dist/rollout/acc', depth) if depth else '-'} (depth {depth}) | {share} |"
         )
-    tables += ["", f"Rollout accuracy and drift ({suite}, k={kmax})", *lines]
+    tables += ["", "Teacher-forced rollout accuracy (held-out conversations) and fc shares", *lines]
     return "\n".join(tables)

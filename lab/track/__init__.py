@@ -9,6 +9,7 @@ as params, the config file and the drafter checkpoint as artifacts.
 from __future__ import annotations
 
 import contextlib
+import functools
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +56,9 @@ def ensure_experiment(name: str, artifact_root: str) -> str:
         return client.get_experiment_by_name(name).experiment_id
 
 
+@functools.cache
 def git_commit() -> str:
+    """The commit of the code this process runs (read once: later commits do not change it)."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
@@ -120,6 +123,21 @@ class Run:
 
 
 @contextlib.contextmanager
+def _ends_with_status() -> Iterator[None]:
+    """Ends the active run FINISHED, FAILED on an exception, KILLED on Ctrl-C."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        mlflow.end_run(status="KILLED")
+        raise
+    except BaseException:
+        mlflow.end_run(status="FAILED")
+        raise
+    else:
+        mlflow.end_run(status="FINISHED")
+
+
+@contextlib.contextmanager
 def start_run(
     uri: str,
     artifact_root: str,
@@ -138,16 +156,8 @@ def start_run(
         parent_run_id=parent_run_id,
         tags={k: str(v) for k, v in tags.items()},
     )
-    try:
+    with _ends_with_status():
         yield Run(active.info.run_id)
-    except KeyboardInterrupt:
-        mlflow.end_run(status="KILLED")
-        raise
-    except BaseException:
-        mlflow.end_run(status="FAILED")
-        raise
-    else:
-        mlflow.end_run(status="FINISHED")
 
 
 @contextlib.contextmanager
@@ -166,16 +176,8 @@ def parent_run(
         mlflow.set_tags(all_tags)
     else:
         active = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags)
-    try:
+    with _ends_with_status():
         yield Run(active.info.run_id)
-    except KeyboardInterrupt:
-        mlflow.end_run(status="KILLED")
-        raise
-    except BaseException:
-        mlflow.end_run(status="FAILED")
-        raise
-    else:
-        mlflow.end_run(status="FINISHED")
 
 
 def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[Any]:
