@@ -47,9 +47,9 @@ def cmd_run(overrides: list[str]) -> int:
 
 
 def cmd_ablate(overrides: list[str]) -> int:
-    from pathlib import Path
-
+    from lab.report.tables import write_summary
     from lab.sweep import experiment
+    from lab.sweep.ablate import ablate
 
     names = [o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")]
     if not names:
@@ -57,24 +57,15 @@ def cmd_ablate(overrides: list[str]) -> int:
         return _fail(f"experiment: required, e.g. `lab ablate experiment=drift_2x2`; available: {choices}")
     exp = experiment.load(names[-1])
     extra = [o for o in overrides if not o.startswith("experiment=")]
-    from lab.report.tables import collect, markdown
-    from lab.sweep.ablate import ablate
-
     result = ablate(exp, extra)
-    cfg = compose(exp.run_overrides(exp.arms[0], exp.seeds[0], extra))
-    table = markdown(
-        cfg.tracking.uri,
-        collect(cfg.tracking.uri, result.parent_run_id, [(a.name, a.label) for a in exp.arms]),
-        exp.baseline,
-    )
-    out = Path("reports") / exp.name
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(f"# {exp.name}: {exp.description}\n\n{table}\n")
+    uri = compose(exp.run_overrides(exp.arms[0], exp.seeds[0], extra)).tracking.uri
+    arms = [(a.name, a.label) for a in exp.arms]
+    path, table = write_summary(uri, result.parent_run_id, exp.name, exp.description, arms, exp.baseline)
     print(f"\n{table}\n")
     print(
         f"ablation {exp.name}: ran {len(result.ran)}, skipped {len(result.skipped)} (already finished), "
         f"failed {len(result.failed)} in {result.seconds / 60:.1f} min; parent run {result.parent_run_id}; "
-        f"tables in {out / 'summary.md'}; browse with `lab ui`"
+        f"tables in {path}; browse with `lab ui`"
     )
     for (arm, seed), why in result.failed.items():
         print(f"  failed: {arm} seed {seed}: {why}")

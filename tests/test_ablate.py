@@ -7,6 +7,7 @@ import pytest
 
 from lab import track
 from lab.config import ConfigError
+from lab.report.tables import write_summary
 from lab.sweep import experiment
 from lab.sweep.ablate import ablate
 
@@ -59,6 +60,9 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_pa
         ("e31", "1"),
     ]
     assert all(r.data.tags["study"] == "tiny" and "eval/in_dist/ref/k3/al" in r.data.metrics for r in children)
+    path, table = write_summary(uri, first.parent_run_id, "tiny", "", [("e3", "E3"), ("e31", "E31")], "e3", tmp_path)
+    assert path.read_text().count("| E31 |") == 3  # the AL row, the drift row (suite in_dist), the rollout row
+    assert "| E3 | 2 |" in table and ("(+" in table or "(-" in table)  # n = 2 seeds; change vs the baseline
     again = ablate(exp, extra, progress=False)
     assert again.parent_run_id == first.parent_run_id
     assert again.ran == [] and len(again.skipped) == 4

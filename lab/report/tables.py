@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lab import track
 
@@ -97,3 +98,22 @@ def markdown(uri: str, groups: list[ArmRuns], baseline: str) -> str:
         )
     tables += ["", "Teacher-forced rollout accuracy (held-out conversations) and fc shares", *lines]
     return "\n".join(tables)
+
+
+def write_summary(
+    uri: str,
+    parent_run_id: str,
+    name: str,
+    description: str,
+    arms: list[tuple[str, str]],
+    baseline: str,
+    folder: Path = Path("reports"),
+) -> tuple[Path, str]:
+    """The study's tables as `reports/NAME/summary.md` and as `summary.md` on its parent run."""
+    table = markdown(uri, collect(uri, parent_run_id, arms), baseline)
+    text = f"# {name}: {description}\n\nParent run {parent_run_id}.\n\n{table}\n"
+    path = folder / name / "summary.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    track.log_text(uri, parent_run_id, text, "summary.md")
+    return path, table

@@ -191,6 +191,12 @@ def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[
     return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
 
 
+def log_text(uri: str, run_id: str, text: str, name: str) -> None:
+    """A text artifact on any run, active or ended (e.g. a study's summary on its parent run)."""
+    configure(uri)
+    MlflowClient().log_text(run_id, text, name)
+
+
 def metric_curve(uri: str, run_id: str, key: str) -> list[float]:
     """A curve logged with step = 1, 2, ...: its values in step order."""
     configure(uri)
