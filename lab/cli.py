@@ -142,7 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="one run: target -> cache -> train -> evaluate -> MLflow; prints the run id")
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
     abl = sub.add_parser(
-        "ablate", help="every arm x seed of experiments/NAME.yaml as child runs of one parent run (resumable)"
+        "ablate",
+        help="every arm x seed of experiments/NAME.yaml as child runs of one parent run (resumable)",
+        description="Run every arm x seed of experiments/NAME.yaml as child MLflow runs of one parent run, "
+        "then write the tables to reports/NAME/summary.md. Rerunning the same command resumes: finished "
+        "runs are skipped.",
+        epilog="experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness\n"
+        "example: lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     abl.add_argument("overrides", nargs="*", help="experiment=NAME, then Hydra overrides applied to every arm")
     target = sub.add_parser("target", help="target model commands")
