@@ -10,6 +10,7 @@ context length, jsonl category) so results can be broken down per variant.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -51,6 +52,15 @@ class Suite:
         ]
 
 
+@functools.lru_cache(maxsize=4)
+def _heldout_files(corpus_bytes: int) -> tuple[tuple[str, str, list[int]], ...]:
+    """(path, text, line starts) of the held-out files, read once per process for every suite."""
+    return tuple(
+        (path, text, [i + 1 for i, ch in enumerate(text) if ch == "\n"])
+        for path, text in corpus_files(corpus_bytes, heldout=True)
+    )
+
+
 @dataclass
 class Excerpt:
     request: str
@@ -60,12 +70,11 @@ class Excerpt:
 def excerpts(renderer: chat.Renderer, corpus_bytes: int, count: int, code_tokens: int, seed: int) -> list[Excerpt]:
     """`count` held-out code excerpts of exactly `code_tokens` tokens, each starting at a line start."""
     rng = random.Random(seed)
-    files = corpus_files(corpus_bytes, heldout=True)
+    files = list(_heldout_files(corpus_bytes))
     rng.shuffle(files)
     out: list[Excerpt] = []
     for _ in range(count * 4):  # a corpus with few long files yields several excerpts per file
-        for path, text in files:
-            lines = [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+        for path, text, lines in files:
             start = rng.choice([0, *lines[: max(1, len(lines) // 2)]])
             code = renderer.encode(text[start : start + 16 * code_tokens])  # ample text for that many tokens
             if len(code) >= code_tokens:
