@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import small_drafter
 
-from lab.drafter import Eagle3Drafter, KVCache, load_native, save_native
+from lab.drafter import Eagle3Drafter, KVCache, load_checkpoint, save_native
 
 COMBOS = list(itertools.product(["none", "per_layer", "concat"], [False, True]))
 
@@ -79,7 +79,7 @@ def test_checkpoint_round_trip(tmp_path, fc_norm, norm_output, norm_type):
     assert cfg["fc_norm"] == (fc_norm == "per_layer") and cfg["norm_before_fc"] == (fc_norm == "concat")
     assert cfg["norm_output"] == norm_output
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    back = load_native(tmp_path)
+    back = load_checkpoint(tmp_path)
     tokens, aux = torch.randint(0, 100, (2, 7)), torch.randn(2, 7, 192)
     with torch.no_grad():
         a = [d.logits(h) for h in d.unroll(tokens, aux, 3)]
@@ -109,4 +109,68 @@ def test_checkpoint_keys_follow_vllm_names(tmp_path):
 
 def test_missing_checkpoint_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        load_native(tmp_path)
+        load_checkpoint(tmp_path)
+
+
+def test_speculators_format_round_trip(tmp_path):
+    from lab.drafter import save_speculators
+
+    d = make("per_layer", True)
+    save_speculators(d, tmp_path, verifier="/models/target", num_speculative_tokens=5)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["norm_before_fc"] is False
+    assert cfg["norm_before_residual"] is False  # speculators would default to True
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "/models/target"
+    assert "fc_norm" not in cfg["transformer_layer_config"]
+    back = load_checkpoint(tmp_path)
+    assert back.spec == d.spec
+    for name, tensor in d.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_multi_layer_export_has_the_norms_vllm_loads_strictly(tmp_path):
+    from safetensors.torch import load_file
+
+    d = make("none", False, num_layers=2)
+    save_native(d, tmp_path)
+    keys = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"layers.0.hidden_norm.weight", "layers.1.hidden_norm.weight", "layers.1.self_attn.q_proj.weight"} <= keys
+    back = load_checkpoint(tmp_path)  # the unused layer-1 hidden_norm is dropped again
+    assert set(back.state_dict()) == set(d.state_dict())
+
+
+def test_checkpoint_without_aux_ids_takes_vllms_default(tmp_path):
+    save_native(make(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["eagle_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        load_checkpoint(tmp_path)
+    assert load_checkpoint(tmp_path, target_num_layers=8).spec.aux_layer_ids == [2, 4, 5]
+
+
+def test_vllm_incompatibility_names_the_key():
+    from lab.drafter import vllm_incompatibility
+
+    assert vllm_incompatibility(make("per_layer", True).spec) is None
+    assert "drafter.norm_type=layernorm" in vllm_incompatibility(make("per_layer", True, norm_type="layernorm").spec)
+
+
+def test_lab_export_writes_both_formats_and_refuses_layernorm(tmp_path, capsys):
+    from lab.cli import main
+
+    save_native(make("per_layer", True), tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--verifier", "/m/target"]) == 0
+    assert json.loads((tmp_path / "out" / "native" / "config.json").read_text())["fc_norm"] is True
+    assert json.loads((tmp_path / "out" / "speculators" / "config.json").read_text())["speculators_model_type"]
+    assert "vllm serve /m/target" in capsys.readouterr().out
+    # no verifier known for a bare folder: the speculators format needs one
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "o2"), "--format", "speculators"]) == 2
+    assert "--verifier" in capsys.readouterr().err
+    save_native(make("per_layer", True, norm_type="layernorm"), tmp_path / "ln")
+    assert main(["export", str(tmp_path / "ln"), "--out", str(tmp_path / "o3"), "--format", "native"]) == 2
+    assert "drafter.norm_type=layernorm" in capsys.readouterr().err
+    assert not (tmp_path / "o3").exists()

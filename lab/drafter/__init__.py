@@ -1,6 +1,15 @@
 """The EAGLE-3 / 3.1 drafter and its checkpoint formats."""
 
-from lab.drafter.formats import load_native, save_native
+from lab.drafter.formats import load_checkpoint, save_native, save_speculators, vllm_incompatibility
 from lab.drafter.model import DrafterSpec, Eagle3Drafter, KVCache, TTTCache
 
-__all__ = ["DrafterSpec", "Eagle3Drafter", "KVCache", "TTTCache", "load_native", "save_native"]
+__all__ = [
+    "DrafterSpec",
+    "Eagle3Drafter",
+    "KVCache",
+    "TTTCache",
+    "load_checkpoint",
+    "save_native",
+    "save_speculators",
+    "vllm_incompatibility",
+]
