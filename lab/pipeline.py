@@ -17,7 +17,8 @@ from lab.config import arm_name, aux_layers, config_hash, flatten, rollout_depth
 from lab.data.cache import build_or_load
 from lab.data.suites import build_suite
 from lab.data.text import training_sequences
-from lab.drafter import save_native
+from lab.drafter import save_native, vllm_incompatibility
+from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite, heldout_metrics
 from lab.target import load as load_target
 from lab.train.ttt import init_drafter, train
@@ -64,6 +65,7 @@ def run(
         "git_commit": track.git_commit(),
         "config_hash": config_hash(cfg),
         "target": target.fingerprint,
+        "target_path": str(Path(target.path).resolve()),  # `lab export` names it as the verifier
     }
     t = cfg.tracking
     with track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun:
@@ -88,11 +90,13 @@ def run(
 
         metrics: dict[str, float | list[float]] = {"train/final_tokens_per_s": result.tokens_per_s}
         t0 = time.time()
+        e = cfg.eval
         for suite in suites:
-            stage(f"eval {suite.name}")
             mlrun.log_dict({"suite": suite.describe(), "prompts": suite.records()}, f"suites/{suite.name}.json")
             mlrun.log_dataset(suite.name, suite.records())
-            e = cfg.eval
+            if "ref" not in e.backends:
+                continue
+            stage(f"eval {suite.name}")
             suite_metrics = evaluate_suite(
                 target.model,
                 drafter,
@@ -106,6 +110,9 @@ def run(
             )
             mlrun.log_curves(suite_metrics)  # as each suite finishes: a later failure keeps them
             metrics.update(suite_metrics)
+        if "vllm" in e.backends:
+            stage("eval vllm")
+            metrics.update(_evaluate_vllm(cfg, mlrun, target, drafter, suites, progress))
         stage("rollout")
         final = heldout_metrics(target, drafter, heldout, rollout_depth(cfg))
         seconds["eval"] = time.time() - t0
@@ -113,3 +120,32 @@ def run(
         mlrun.log_curves(final)
         metrics.update(final)
         return RunResult(mlrun.id, metrics, seconds)
+
+
+def _evaluate_vllm(cfg: DictConfig, mlrun, target, drafter, suites, progress: bool) -> dict:
+    """The vLLM backend; a drafter vLLM cannot express is evaluated by the reference backend only, and
+    the run says so (tag `vllm_skipped`)."""
+    reason = vllm_incompatibility(drafter.spec)
+    if reason:
+        mlrun.set_tags({"vllm_skipped": reason})
+        print(f"vLLM backend skipped, reference backend only: {reason}")
+        return {}
+    log = Path(cfg.cache_dir) / "logs" / mlrun.id / "vllm_worker.log"  # kept: a failure names it
+    try:
+        metrics = vllm_backend.evaluate(
+            target.path,
+            drafter,
+            suites,
+            list(cfg.eval.num_speculative_tokens),
+            cfg.eval,
+            cfg.seed,
+            cfg.threads or os.cpu_count() or 1,
+            log,
+            max_model_len=target.max_positions,
+            progress=progress,
+        )
+    finally:
+        if log.is_file():
+            mlrun.log_artifact(log, "vllm")
+    mlrun.log_curves(metrics)
+    return metrics

@@ -97,6 +97,12 @@ BAD = [
     (["eval.suites=[jsonl]"], "suites.jsonl.path", "required"),
     (["eval.suites=[jsonl]", "suites.jsonl.path=/no/such.jsonl"], "suites.jsonl.path", "not a readable file"),
     (["drafter.draft_vocab_size=1"], "drafter.draft_vocab_size", ">= 2"),
+    (["eval.backends=[ref,sglang]"], "eval.backends", "ref, vllm"),
+    (["eval.backends=[]"], "eval.backends", "non-empty"),
+    (["eval.vllm.format=gguf"], "eval.vllm.format", "native, speculators"),
+    (["eval.vllm.concurrency=[1,0]"], "eval.vllm.concurrency", "positive"),
+    (["eval.vllm.kv_cache_gib=0"], "eval.vllm.kv_cache_gib", "positive"),
+    (["eval.vllm.throughput_suites=[indist]"], "eval.vllm.throughput_suites", "unknown suite 'indist'"),
 ]
 
 

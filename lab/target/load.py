@@ -36,6 +36,10 @@ class Target:
         return self.model.config.vocab_size
 
     @property
+    def max_positions(self) -> int:
+        return self.model.config.max_position_embeddings
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 

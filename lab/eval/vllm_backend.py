@@ -1,0 +1,170 @@
+"""Evaluate a drafter in real vLLM: export it, run `lab.eval.vllm_worker` in a subprocess, name the
+metrics as design.md does (`eval/{suite}/vllm/k{k}/...`, throughput `.../c{C}/speedup`).
+
+This module never imports vllm itself; the worker does, in its own process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lab.data.suites import Suite
+from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
+from lab.eval.reference import DecodeStats
+from lab.eval.vllm_worker import PROGRESS
+
+Metrics = dict[str, float | list[float]]
+
+
+class VllmError(RuntimeError):
+    """The vLLM worker failed; the message names the log with its output."""
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def export_for_vllm(drafter: Eagle3Drafter, out_dir: Path, fmt: str, target_path: str) -> Path:
+    if fmt == "speculators":  # its k is only a default: the worker names k per engine
+        return save_speculators(drafter, out_dir, target_path, 3)
+    return save_native(drafter, out_dir)
+
+
+def evaluate(
+    target_path: str | Path,
+    drafter: Eagle3Drafter,
+    suites: list[Suite],
+    ks: list[int],
+    eval_cfg: DictConfig,
+    seed: int,
+    threads: int,
+    log_path: Path,
+    max_model_len: int,
+    checkpoint: Path | None = None,
+    progress: bool = False,
+) -> Metrics:
+    """AL, acceptance curves, tokens/s, exact match with the target's own greedy output, and the
+    speedup at each concurrency, for every suite and k, from one vLLM worker process. The worker's
+    output goes to `log_path` (its progress lines to the console too, with `progress`). vLLM reads
+    `drafter` as exported here, or `checkpoint` if given."""
+    reason = vllm_incompatibility(drafter.spec)
+    if reason:
+        raise VllmError(reason)
+    v = eval_cfg.vllm
+    with tempfile.TemporaryDirectory(prefix="lab-vllm-") as tmp:
+        job = {
+            "target": str(target_path),
+            "drafter": str(checkpoint or export_for_vllm(drafter, Path(tmp) / "drafter", v.format, str(target_path))),
+            "dtype": v.dtype,
+            "ks": list(ks),
+            "max_new_tokens": eval_cfg.max_new_tokens,
+            "temperature": eval_cfg.temperature,
+            "concurrency": list(v.concurrency),
+            "throughput_suites": [
+                s.name for s in suites if v.throughput_suites is None or s.name in v.throughput_suites
+            ],
+            "max_model_len": max_model_len,
+            "kv_cache_gib": v.kv_cache_gib,
+            "threads": threads,
+            "seed": seed,
+            "suites": [{"name": s.name, "prompts": s.prompts, "variants": s.variants} for s in suites],
+        }
+        (Path(tmp) / "job.json").write_text(json.dumps(job))
+        result_path = Path(tmp) / "result.json"
+        start = time.perf_counter()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "lab.eval.vllm_worker", str(Path(tmp) / "job.json"), str(result_path)]
+        returncode = _run_worker(cmd, log_path, v.timeout_s, progress)
+        if returncode != 0 or not result_path.is_file():
+            raise VllmError(f"vLLM worker exited with {returncode}: {_last_error(log_path)} (log: {log_path})")
+        result = json.loads(result_path.read_text())
+    metrics = metrics_from_result(result, suites, eval_cfg.temperature)
+    metrics["time/vllm_s"] = time.perf_counter() - start
+    return metrics
+
+
+def metrics_from_result(result: dict, suites: list[Suite], temperature: float = 0.0) -> Metrics:
+    out: Metrics = {f"eval/vllm/{k}": v for k, v in result["timings"].items()}
+    for suite in suites:
+        for k, res in result["results"][suite.name].items():
+            variants = res["variants"]
+            pooled, seconds, tokens = DecodeStats(), 0.0, 0
+            for variant, counts in variants.items():
+                stats = _stats(counts)
+                pooled.merge(stats)
+                seconds += counts["seconds"]
+                tokens += stats.generated
+                if len(variants) > 1:
+                    out.update(_al_metrics(f"eval/{suite.name}.{variant}/vllm/k{k}", stats))
+            prefix = f"eval/{suite.name}/vllm/k{k}"
+            out.update(_al_metrics(prefix, pooled))
+            out[f"{prefix}/tokens_per_s"] = tokens / seconds
+            if temperature == 0:
+                out[f"{prefix}/exact_match"] = res["exact_match"]
+            for c, t in res["throughput"].items():
+                spec_tps, base_tps = t["spec_tokens"] / t["spec_s"], t["baseline_tokens"] / t["baseline_s"]
+                out[f"{prefix}/c{c}/tokens_per_s"] = spec_tps
+                out[f"{prefix}/c{c}/baseline_tokens_per_s"] = base_tps
+                out[f"{prefix}/c{c}/speedup"] = spec_tps / base_tps
+    return out
+
+
+def _stats(counts: dict) -> DecodeStats:
+    per_pos = list(counts["accepted_per_pos"])
+    return DecodeStats(
+        rounds=int(counts["drafts"]),
+        accepted=int(counts["accepted"]),
+        accepted_at=[int(a) for a in per_pos],
+        generated=int(counts.get("tokens", 0)),
+    )
+
+
+def _al_metrics(prefix: str, stats: DecodeStats) -> Metrics:
+    return {
+        f"{prefix}/al": stats.acceptance_length,
+        f"{prefix}/accept_rate": stats.accept_rate,
+        f"{prefix}/cond_accept_rate": stats.conditional_accept_rate,
+    }
+
+
+def _run_worker(cmd: list[str], log_path: Path, timeout_s: float, progress: bool) -> int:
+    """Run the worker, its output into `log_path`; killed after `timeout_s`."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
+        timed_out = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (timed_out.set(), proc.kill()))
+        timer.start()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                if progress and line.startswith(PROGRESS):
+                    print("vllm:" + line[len(PROGRESS) :].rstrip(), flush=True)
+            proc.wait()
+        finally:
+            timer.cancel()
+            proc.kill()
+    if timed_out.is_set():
+        raise VllmError(f"vLLM worker ran past eval.vllm.timeout_s={timeout_s:.0f}; see {log_path}")
+    return proc.returncode
+
+
+def _env() -> dict[str, str]:
+    # the worker must import this checkout's `lab`, wherever the caller runs from
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+def _last_error(log_path: Path) -> str:
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:300]
