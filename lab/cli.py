@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -18,6 +19,8 @@ EPILOG = """examples:
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
   lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick   # the same, in minutes
+  lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
+  lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
 config groups: target data drafter train eval suite tracking (see configs/); any key: group.key=value
 experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness (see experiments/)
 """
@@ -83,6 +86,52 @@ def cmd_target_build(overrides: list[str]) -> int:
     if info:
         print(f"target {info['name']}: val_loss {info['val_loss']:.3f}, built in {info['seconds']:.0f}s")
     print(target.path)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from lab import track
+    from lab.drafter import load_checkpoint, save_native, save_speculators, vllm_incompatibility
+
+    with tempfile.TemporaryDirectory(prefix="lab-export-") as tmp:
+        source, tags = Path(args.source), {}
+        if not source.is_dir():
+            uri = compose(args.overrides).tracking.uri
+            try:
+                source, tags = track.run_checkpoint(uri, args.source, tmp)
+            except ValueError as exc:
+                return _fail(str(exc))
+        try:
+            drafter = load_checkpoint(source)
+        except (OSError, ValueError, KeyError) as exc:
+            return _fail(f"{source}: not a drafter checkpoint ({exc})")
+        reason = vllm_incompatibility(drafter.spec)
+        if reason:
+            return _fail(f"cannot export for vLLM: {reason}")
+        verifier = args.verifier or tags.get("target_path")
+        formats = ["native", "speculators"] if args.format == "both" else [args.format]
+        if "speculators" in formats and not verifier:
+            return _fail("--verifier: required for the speculators format (the target model's path)")
+        out = Path(args.out)
+        for fmt in formats:
+            where = out / fmt if len(formats) > 1 else out
+            if fmt == "native":
+                save_native(drafter, where)
+            else:
+                save_speculators(drafter, where, verifier, args.k)
+            print(f"{fmt}: {where}")
+    spec = drafter.spec
+    print(
+        f"drafter: fc_norm={spec.fc_norm} norm_output={spec.norm_output} aux_layers={spec.aux_layer_ids} "
+        f"draft_vocab={spec.draft_vocab_size}/{spec.vocab_size}"
+    )
+    if verifier:
+        model = out / formats[0] if len(formats) > 1 else out
+        spec_cfg = json.dumps({"method": "eagle3", "model": str(model), "num_speculative_tokens": args.k})
+        print(f"serve: vllm serve {verifier} --speculative-config '{spec_cfg}'")
     return 0
 
 
@@ -156,6 +205,22 @@ def build_parser() -> argparse.ArgumentParser:
     tsub = target.add_subparsers(dest="target_verb", required=True)
     build = tsub.add_parser("build", help="build (or find in the cache) the configured target")
     build.add_argument("overrides", nargs="*")
+    export = sub.add_parser(
+        "export",
+        help="write a trained drafter in the vLLM/TorchSpec native and/or speculators format",
+        description="Export the drafter of an MLflow run (its `checkpoint` artifact) or of a checkpoint folder "
+        "for vLLM: the native format (config.json with LlamaForCausalLMEagle3 and the EAGLE 3.1 keys) and/or "
+        "the speculators format. A drafter vLLM cannot express (norm_type=layernorm) is refused.",
+        epilog="examples:\n  lab export 3f2a... --out exports/eagle31\n"
+        "  lab export mlruns/artifacts/.../checkpoint --out exports/x --format speculators --verifier /models/target",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("source", help="an MLflow run id (of the configured store) or a checkpoint folder")
+    export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--format", choices=["native", "speculators", "both"], default="both")
+    export.add_argument("--verifier", help="the target's path for the speculators format (default: the run's)")
+    export.add_argument("--k", type=int, default=3, help="speculative tokens named in the speculators config")
+    export.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
     doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
     doctor.add_argument("overrides", nargs="*")
     ui = sub.add_parser("ui", help="the MLflow UI over the configured store (127.0.0.1 unless --host)")
@@ -166,11 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Hydra overrides may also follow options (`lab export RUN --out DIR tracking.uri=...`)
+    if any("=" not in e or e.startswith("-") for e in extra) or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     handlers: dict[str, Callable[[], int]] = {
         "run": lambda: cmd_run(args.overrides),
         "ablate": lambda: cmd_ablate(args.overrides),
         "target": lambda: cmd_target_build(args.overrides),
+        "export": lambda: cmd_export(args),
         "doctor": lambda: cmd_doctor(args.overrides),
         "ui": lambda: cmd_ui(args),
     }

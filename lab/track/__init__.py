@@ -197,6 +197,21 @@ def log_text(uri: str, run_id: str, text: str, name: str) -> None:
     MlflowClient().log_text(run_id, text, name)
 
 
+def run_checkpoint(uri: str, run_id: str, dst: str | Path) -> tuple[Path, dict[str, str]]:
+    """The drafter checkpoint logged by run `run_id`, downloaded into `dst`, and the run's tags."""
+    configure(uri)
+    client = MlflowClient()
+    try:
+        run = client.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise ValueError(f"run '{run_id}': not found in {uri} (expected a run id or a checkpoint folder)") from None
+    try:
+        path = client.download_artifacts(run_id, "checkpoint", str(dst))
+    except (OSError, mlflow.exceptions.MlflowException):
+        raise ValueError(f"run '{run_id}': no checkpoint artifact (logged when tracking.log_checkpoint=true)") from None
+    return Path(path), dict(run.data.tags)
+
+
 def metric_curve(uri: str, run_id: str, key: str) -> list[float]:
     """A curve logged with step = 1, 2, ...: its values in step order."""
     configure(uri)
