@@ -9,13 +9,15 @@ import time
 
 import pytest
 
+VLLM = ["eval.backends=[ref,vllm]", "eval.vllm.concurrency=[1,4]"]
+
 
 @pytest.mark.slow
 def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     start = time.time()
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "lab.cli", "run", *micro_overrides, "drafter=eagle31", "study=pipeline-test"],
+        [sys.executable, "-m", "lab.cli", "run", *micro_overrides, "drafter=eagle31", "study=pipeline-test", *VLLM],
         capture_output=True,
         text=True,
         env=env,
@@ -44,9 +46,15 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
         "eval/in_dist/ref/k3/accept_rate",
         "eval/in_dist/ref/k3/tokens_per_s",
         "eval/in_dist/ref/k3/speedup",
+        "eval/in_dist/vllm/k3/al",
+        "eval/in_dist/vllm/k3/accept_rate",
+        "eval/in_dist/vllm/k3/c1/speedup",
+        "eval/in_dist/vllm/k3/c4/speedup",
     ]:
         assert key in metrics, key
     assert metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
+    assert metrics["eval/in_dist/vllm/k3/exact_match"] == 1.0  # vLLM's speculation is lossless too
+    assert metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(metrics["eval/in_dist/ref/k3/al"], rel=0.03)
     for key in ["sink_mass", "self_mass", "context_mass", "feedback_norm", "norm_growth"]:
         assert f"drift/in_dist/k3/{key}" in metrics, key
     assert "eval/in_dist/rollout/acc" in metrics and "drift/fc_share" in metrics
@@ -58,6 +66,7 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     client = mlflow.MlflowClient()
     curve = client.get_metric_history(run_id, "eval/in_dist/ref/k3/accept_rate")
     assert sorted(m.step for m in curve) == [1, 2, 3]
+    assert [a.path for a in client.list_artifacts(run_id, "vllm")] == ["vllm/vllm_worker.log"]
     rollout = client.get_metric_history(run_id, "eval/in_dist/rollout/acc")
     assert len(rollout) == 3 * 3  # 3 x train.ttt_length, beyond the training depth
     assert len(client.get_metric_history(run_id, "drift/fc_share")) == 3  # one per captured layer
