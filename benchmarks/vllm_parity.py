@@ -10,6 +10,7 @@ markdown table per k: arm x suite, reference AL, vLLM AL, their gap, and the spe
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -29,6 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("study")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write every metric of every arm here")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = compose(args.overrides + ["eval.backends=[ref,vllm]"])
@@ -59,6 +61,8 @@ def main() -> None:
         )  # fmt: skip
         print(f"{arm}: reference {t_ref:.0f}s, vLLM {time.time() - t0:.0f}s", flush=True)
         rows.append((arm, ref, vllm))
+        if args.json:
+            Path(args.json).write_text(json.dumps({a: {**r, **v} for a, r, v in rows}, indent=1))
     cs = list(cfg.eval.vllm.concurrency)
     for k in ks:
         print(f"\nk = {k} ({args.study}, seed {args.seed}, greedy, float32)\n")
@@ -67,7 +71,8 @@ def main() -> None:
         for arm, ref, vllm in rows:
             for suite in suites:
                 a_ref, a_vllm = ref[f"eval/{suite.name}/ref/k{k}/al"], vllm[f"eval/{suite.name}/vllm/k{k}/al"]
-                speed = " | ".join(f"{vllm[f'eval/{suite.name}/vllm/k{k}/c{c}/speedup']:.2f}x" for c in cs)
+                speedups = [vllm.get(f"eval/{suite.name}/vllm/k{k}/c{c}/speedup") for c in cs]
+                speed = " | ".join("-" if x is None else f"{x:.2f}x" for x in speedups)  # eval.vllm.throughput_suites
                 gap = 100 * (a_vllm / a_ref - 1)
                 print(f"| {arm} | {suite.name} | {a_ref:.3f} | {a_vllm:.3f} | {gap:+.1f}% | {speed} |")
 

@@ -94,7 +94,7 @@ def evaluate(
 
 
 def metrics_from_result(result: dict, suites: list[Suite], temperature: float = 0.0) -> Metrics:
-    out: Metrics = {f"eval/vllm/{k}": v for k, v in result["timings"].items()}
+    out: Metrics = {f"eval/vllm/{k}": v for k, v in result["timings"].items()}  # startup_*_s, total_s, peak_rss_mb
     for suite in suites:
         for k, res in result["results"][suite.name].items():
             variants = res["variants"]

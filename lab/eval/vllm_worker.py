@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -157,6 +158,8 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     result = run(job)
     result["timings"]["total_s"] = time.perf_counter() - start
+    # the worker's peak resident memory (Linux reports KiB): both engines, their KV caches, the models
+    result["timings"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0
