@@ -147,9 +147,8 @@ class VllmEvalConfig:
 
     format: str = "native"  # the checkpoint format handed to vLLM: native | speculators
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # throughput: requests at once
-    # tokens/s with and without speculation at each concurrency, on those of these suites that are
-    # evaluated (null: every evaluated suite)
-    throughput_suites: list[str] | None = field(default_factory=lambda: ["in_dist"])
+    # tokens/s with and without speculation at each concurrency, on these of eval.suites (null: the first)
+    throughput_suites: list[str] | None = None
     dtype: str = "float32"
     kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
     timeout_s: int = 3600
@@ -393,10 +392,9 @@ def _validate_backends(cfg: DictConfig) -> None:
         raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
     _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
     for name in v.throughput_suites or []:
-        if name not in cfg.suites:
-            raise ConfigError(
-                "eval.vllm.throughput_suites", f"unknown suite '{name}'; configured: {', '.join(cfg.suites)}"
-            )
+        if name not in cfg.eval.suites:
+            evaluated = ", ".join(cfg.eval.suites)
+            raise ConfigError("eval.vllm.throughput_suites", f"'{name}' is not evaluated; eval.suites: {evaluated}")
     if "vllm" in backends and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "eval.backends",

@@ -70,9 +70,7 @@ def evaluate(
             "max_new_tokens": eval_cfg.max_new_tokens,
             "temperature": eval_cfg.temperature,
             "concurrency": list(v.concurrency),
-            "throughput_suites": [
-                s.name for s in suites if v.throughput_suites is None or s.name in v.throughput_suites
-            ],
+            "throughput_suites": list(v.throughput_suites if v.throughput_suites is not None else [suites[0].name]),
             "max_model_len": max_model_len,
             "kv_cache_gib": v.kv_cache_gib,
             "threads": threads,
