@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from lab.data.suites import build_suite
 from lab.drafter import load_checkpoint
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite
-from lab.pipeline import set_threads
+from lab.pipeline import set_threads, thread_count
 from lab.target import load
 
 
@@ -56,7 +55,7 @@ def main() -> None:
         t_ref = time.time() - t0
         t0 = time.time()
         vllm = vllm_backend.evaluate(
-            target.path, drafter, suites, ks, cfg.eval, cfg.seed, cfg.threads or os.cpu_count() or 1,
+            target.path, drafter, suites, ks, cfg.eval, cfg.seed, thread_count(cfg),
             Path(tempfile.gettempdir()) / f"vllm_parity_{arm}.log", target.max_positions,
         )  # fmt: skip
         print(f"{arm}: reference {t_ref:.0f}s, vLLM {time.time() - t0:.0f}s", flush=True)

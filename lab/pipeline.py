@@ -31,8 +31,12 @@ class RunResult:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
+def thread_count(cfg: DictConfig) -> int:
+    return cfg.threads or os.cpu_count() or 1
+
+
 def set_threads(cfg: DictConfig) -> None:
-    torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    torch.set_num_threads(thread_count(cfg))
 
 
 def run(
@@ -139,7 +143,7 @@ def _evaluate_vllm(cfg: DictConfig, mlrun, target, drafter, suites, progress: bo
             list(cfg.eval.num_speculative_tokens),
             cfg.eval,
             cfg.seed,
-            cfg.threads or os.cpu_count() or 1,
+            thread_count(cfg),
             log,
             max_model_len=target.max_positions,
             progress=progress,

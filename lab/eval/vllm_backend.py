@@ -6,7 +6,6 @@ This module never imports vllm itself; the worker does, in its own process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -28,10 +27,6 @@ Metrics = dict[str, float | list[float]]
 
 class VllmError(RuntimeError):
     """The vLLM worker failed; the message names the log with its output."""
-
-
-def installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
 
 
 def export_for_vllm(drafter: Eagle3Drafter, out_dir: Path, fmt: str, target_path: str) -> Path:
@@ -118,11 +113,10 @@ def metrics_from_result(result: dict, suites: list[Suite], temperature: float = 
 
 
 def _stats(counts: dict) -> DecodeStats:
-    per_pos = list(counts["accepted_per_pos"])
     return DecodeStats(
         rounds=int(counts["drafts"]),
         accepted=int(counts["accepted"]),
-        accepted_at=[int(a) for a in per_pos],
+        accepted_at=[int(a) for a in counts["accepted_per_pos"]],
         generated=int(counts.get("tokens", 0)),
     )
 
