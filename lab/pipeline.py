@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -22,6 +23,16 @@ from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite, heldout_metrics
 from lab.target import load as load_target
 from lab.train.ttt import init_drafter, train
+
+
+@dataclass
+class RunHooks:
+    """What a caller (a sweep) hears during a run. `on_train_metrics` may raise `track.RunStopped` to end
+    the run early (pruning)."""
+
+    on_stage: Callable[[str], None] = lambda stage: None  # target, cache, train, eval SUITE, rollout
+    on_start: Callable[[str], None] = lambda run_id: None  # the MLflow run id, once the run exists
+    on_train_metrics: Callable[[dict[str, float], int], None] = lambda metrics, step: None
 
 
 @dataclass
@@ -43,10 +54,12 @@ def run(
     cfg: DictConfig,
     progress: bool = True,
     parent_run_id: str | None = None,
-    on_stage: Callable[[str], None] | None = None,
+    hooks: RunHooks | None = None,
+    tags: dict[str, Any] | None = None,
 ) -> RunResult:
-    """One run; `on_stage(name)` is told when each stage starts (target, cache, train, eval ...)."""
-    stage = on_stage or (lambda name: None)
+    """One run, logged as an MLflow run (nested under `parent_run_id`) carrying `tags` too."""
+    hooks = hooks or RunHooks()
+    stage = hooks.on_stage
     set_threads(cfg)
     seconds: dict[str, float] = {}
     t0 = time.time()
@@ -70,12 +83,16 @@ def run(
         "config_hash": config_hash(cfg),
         "target": target.fingerprint,
         "target_path": str(Path(target.path).resolve()),  # `lab export` names it as the verifier
+        **(tags or {}),
     }
     t = cfg.tracking
     with track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun:
+        hooks.on_start(mlrun.id)
         mlrun.log_params({**flatten(cfg), "resolved.aux_layers": layers})
         mlrun.log_dict(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "config.yaml")
         setup = {"cache/hit": float(hidden.stats["hit"]), "cache/seconds": hidden.stats["seconds"]}
+        if hidden.stats.get("build_seconds") is not None:
+            setup["cache/build_seconds"] = hidden.stats["build_seconds"]
         if "val_loss" in target.info:
             setup["target/val_loss"] = target.info["val_loss"]
         mlrun.log_metrics(setup)
@@ -84,15 +101,18 @@ def run(
         drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
         t0 = time.time()
         stage("train")
-        result = train(
-            drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, log=mlrun.log_metrics, progress=progress
-        )
+
+        def log_train(metrics: dict[str, float], step: int) -> None:
+            mlrun.log_metrics(metrics, step)
+            hooks.on_train_metrics(metrics, step)
+
+        result = train(drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, log=log_train, progress=progress)
         seconds["train"] = time.time() - t0
         if t.log_checkpoint:
             with tempfile.TemporaryDirectory() as tmp:
                 mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
 
-        metrics: dict[str, float | list[float]] = {"train/final_tokens_per_s": result.tokens_per_s}
+        metrics: dict[str, float | list[float]] = {**setup, "train/final_tokens_per_s": result.tokens_per_s}
         t0 = time.time()
         e = cfg.eval
         for suite in suites:

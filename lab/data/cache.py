@@ -99,12 +99,14 @@ def build_or_load(
         "seconds": time.time() - started,
         "target_forward_tokens": 0 if hit else int(sequences.input_ids.numel()),
         "bytes": sum(s["bytes"] for s in manifest["shards"]),
+        "build_seconds": manifest.get("build_seconds"),  # what a hit saves (absent in older entries)
     }
     return HiddenStates(ids, stored["loss_mask"], stored["aux"], stored["final"], path, stats)
 
 
 def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> dict:
     shards = []
+    started = time.time()
     with staging_dir(path) as tmp:
         bar = tqdm(total=len(sequences), desc="hidden-state cache", unit="seq", disable=not progress)
         for index, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
@@ -144,6 +146,7 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
             "seq_len": sequences.input_ids.shape[1],
             "dtype": str(STORE_DTYPE),
             "shards": shards,
+            "build_seconds": time.time() - started,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest

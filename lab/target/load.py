@@ -56,7 +56,10 @@ def _hf_fingerprint(path: Path) -> str:
 def load(cfg: DictConfig, progress: bool = True) -> Target:
     """The target of `cfg.target`, float32, eval mode; builds the tiny target on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    if not progress:
+        hf_logging.disable_progress_bar()  # "Loading weights" bars, once per trial in a sweep's log
     t = cfg.target
     if t.kind == TargetKind.build:
         root = target_build.build(t, cfg.cache_dir, progress=progress)

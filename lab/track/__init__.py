@@ -122,11 +122,20 @@ class Run:
         mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame.from_records(records), name=name), context=context)
 
 
+class RunStopped(Exception):
+    """Raised inside a run to end it early on purpose (a pruned trial): the run ends KILLED, its reason
+    in the tag `stopped`."""
+
+
 @contextlib.contextmanager
 def _ends_with_status() -> Iterator[None]:
-    """Ends the active run FINISHED, FAILED on an exception, KILLED on Ctrl-C."""
+    """Ends the active run FINISHED, FAILED on an exception, KILLED on Ctrl-C or RunStopped."""
     try:
         yield
+    except RunStopped as stop:
+        mlflow.set_tag("stopped", str(stop))
+        mlflow.end_run(status="KILLED")
+        raise
     except KeyboardInterrupt:
         mlflow.end_run(status="KILLED")
         raise
@@ -189,6 +198,25 @@ def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[
     if status:
         query += f" and attributes.status = '{status}'"
     return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
+
+
+def set_run_tags(uri: str, run_id: str, tags: dict[str, Any]) -> None:
+    """Tags on any run, active or ended."""
+    configure(uri)
+    client = MlflowClient()
+    for k, v in tags.items():
+        client.set_tag(run_id, k, str(v))
+
+
+def end_run(uri: str, run_id: str, status: str, tags: dict[str, Any] | None = None) -> None:
+    """End a run another process left RUNNING (its worker died) with `status`."""
+    configure(uri)
+    client = MlflowClient()
+    with contextlib.suppress(mlflow.exceptions.MlflowException):
+        if tags:
+            set_run_tags(uri, run_id, tags)
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status=status)
 
 
 def log_text(uri: str, run_id: str, text: str, name: str) -> None:
