@@ -174,6 +174,9 @@ class TrackingConfig:
     uri: str = "sqlite:///mlruns/mlflow.db"
     artifact_root: str = "mlruns/artifacts"
     log_checkpoint: bool = True
+    # Optuna storage of sweeps: null = a journal file beside the local MLflow database; an RDB URL
+    # (postgresql://...) or a journal file path for workers on many machines
+    optuna_storage: str | None = None
 
 
 @dataclass

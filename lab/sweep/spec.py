@@ -1,0 +1,365 @@
+"""Optuna sweep specs (`sweeps/NAME.yaml`): a search space over config keys, fixed overrides, the
+sampler, the pruner, the objective(s), seeds per point and the total trial budget.
+
+    space:
+      drafter.fc_norm: [none, per_layer, concat]        # a list: categorical
+      train.lr: {low: 1.0e-4, high: 1.0e-2, log: true}  # floats: float range (log scale)
+      train.ttt_length: {low: 1, high: 7}               # integers: int range (optional step)
+      preset: {choices: {e3: [drafter=eagle3], e31: [drafter=eagle31]}}   # named override bundles
+    sampler: tpe            # or {name: tpe, seed: 0, n_startup_trials: 8}; random, grid, nsga2
+    pruner: none            # or {name: median, n_startup_trials: 2, n_warmup_steps: 20}; percentile, hyperband
+    objectives:
+      - {metric: eval/in_dist/ref/k5/al, direction: maximize}
+      - {metric: drift/in_dist/k5/norm_growth, direction: minimize, reduce: last}
+    seeds: [0]              # every point runs once per seed, each (point, seed) one trial
+    trials: 24              # the TOTAL budget of trials (a grid: every point x seed, the default)
+
+An ablation (`experiments/NAME.yaml`) is the grid over one bundle parameter, `arm`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig
+
+from lab.config import ConfigError, compose
+from lab.fsutil import short_hash
+
+SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
+SAMPLERS = ("tpe", "random", "grid", "nsga2")
+PRUNERS = ("none", "median", "percentile", "hyperband")
+DIRECTIONS = ("maximize", "minimize")
+REDUCTIONS = ("last", "mean", "max", "min")  # how a curve (a metric logged per step) becomes one value
+PRUNE_METRIC = "train/simulated_acc_len"
+# overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
+_PLACEMENT = ("tracking.", "threads=", "cache_dir=")
+
+
+@dataclass
+class Param:
+    """One dimension of the search space."""
+
+    name: str  # a config key (`train.lr`), or the name of a bundle parameter (`arm`)
+    kind: str  # categorical | int | float | bundle
+    choices: list[Any] = field(default_factory=list)  # categorical values; bundle names
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+    bundles: dict[str, list[str]] = field(default_factory=dict)  # bundle name -> overrides
+
+    def suggest(self, trial: Any) -> Any:
+        """The value of this parameter in an Optuna trial (fixed for enqueued grid points and retries)."""
+        if self.kind in ("categorical", "bundle"):
+            return trial.suggest_categorical(self.name, self.choices)
+        if self.kind == "int":
+            return trial.suggest_int(self.name, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(self.name, self.low, self.high, step=self.step, log=self.log)
+
+    def overrides(self, value: Any) -> list[str]:
+        if self.kind == "bundle":
+            return list(self.bundles[value])
+        return [f"{self.name}={_override_value(value)}"]
+
+    def grid(self) -> list[Any]:
+        """The values a grid visits: the choices, or every step of an integer range."""
+        if self.kind in ("categorical", "bundle"):
+            return list(self.choices)
+        if self.kind == "int":
+            return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
+        raise ConfigError(f"space.{self.name}", "a grid needs a list of values or an integer range, not a float range")
+
+    def probes(self) -> list[Any]:
+        """Values composed before anything runs: every choice, or both ends of a range."""
+        return self.grid() if self.kind != "float" else [self.low, self.high]
+
+
+@dataclass
+class Objective:
+    metric: str
+    direction: str = "maximize"
+    reduce: str = "last"
+
+    def value(self, metrics: dict[str, float | list[float]]) -> float:
+        if self.metric not in metrics:
+            raise KeyError(self.metric)
+        v = metrics[self.metric]
+        if not isinstance(v, list):
+            return float(v)
+        return float({"last": v[-1], "mean": sum(v) / len(v), "max": max(v), "min": min(v)}[self.reduce])
+
+
+@dataclass
+class Sweep:
+    name: str
+    space: list[Param]
+    objectives: list[Objective]
+    description: str = ""
+    overrides: list[str] = field(default_factory=list)
+    sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe"})
+    pruner: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    seeds: list[int] = field(default_factory=lambda: [0])
+    trials: int | None = None  # None: a grid's size (points x seeds)
+    study: str | None = None  # the MLflow experiment; None: the sweep's name
+    max_retry: int = 2  # a trial whose worker died is retried this many times
+    heartbeat_s: float = 20.0
+    grace_s: float = 120.0  # a running trial without a heartbeat for this long is stale
+    source: str = ""  # the file it came from, named in errors
+
+    def __post_init__(self) -> None:
+        self.source = self.source or f"sweeps/{self.name}.yaml"
+
+    @property
+    def is_grid(self) -> bool:
+        return self.sampler["name"] == "grid"
+
+    @property
+    def experiment(self) -> str:
+        return self.study or self.name
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every point of a grid, in order (the last parameter varies fastest)."""
+        names = [p.name for p in self.space]
+        return [dict(zip(names, values, strict=True)) for values in itertools.product(*(p.grid() for p in self.space))]
+
+    def budget(self, trials: int | None = None) -> int:
+        """The total number of trials: `trials` (a command-line override), the spec's, or the grid's size."""
+        if self.is_grid:
+            return len(self.points()) * len(self.seeds)
+        n = trials or self.trials
+        if n is None or n < 1:
+            raise ConfigError(f"{self.source}: trials", f"expected a positive total budget, got {n}")
+        if n % len(self.seeds):
+            raise ConfigError(
+                f"{self.source}: trials",
+                f"{n} trials do not split into points x {len(self.seeds)} seeds; use a multiple of {len(self.seeds)}",
+            )
+        return n
+
+    def label(self, params: dict[str, Any]) -> str:
+        """The MLflow `arm` of a point: a bundle's name, else `key=value` pairs (short keys)."""
+        if len(self.space) == 1 and self.space[0].kind == "bundle":
+            return str(params[self.space[0].name])
+        return ",".join(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in params.items())
+
+    def trial_overrides(self, params: dict[str, Any], seed: int, extra: list[str]) -> list[str]:
+        """Sweep-wide overrides, the point's, the user's, then the trial's identity."""
+        point = [o for p in self.space for o in p.overrides(params[p.name])]
+        label = self.label(params)
+        return [*self.overrides, *point, *extra, f"study={self.experiment}", f"arm='{label}'", f"seed={seed}"]
+
+    def key(self, extra: list[str]) -> str:
+        """Identity of the study: the spec without its budget, and the user's overrides that change results."""
+        spec = asdict(self)
+        for k in ("trials", "description", "max_retry", "heartbeat_s", "grace_s", "source"):
+            spec.pop(k)
+        return short_hash({"spec": spec, "extra": changing_results(extra)}, 8)
+
+    def study_name(self, extra: list[str]) -> str:
+        return f"{self.name}-{self.key(extra)}"
+
+    def check(self, extra: list[str]) -> DictConfig:
+        """Compose every grid point (or both ends of every range) with every override before anything
+        runs, and check that each objective is a metric the runs log. Returns the first config."""
+        swept = {p.name for p in self.space if p.kind != "bundle"}
+        for o in extra:
+            key = o.split("=", 1)[0].lstrip("+~")
+            if key in swept:
+                raise ConfigError(key, f"swept by {self.source}; drop the override or the parameter")
+        base = {p.name: p.probes()[0] for p in self.space}
+        probes = (
+            self.points()
+            if self.is_grid
+            else [base] + [{**base, p.name: v} for p in self.space for v in p.probes()[1:]]
+        )
+        first = None
+        for params in probes:
+            try:
+                cfg = compose(self.trial_overrides(params, self.seeds[0], extra))
+            except ConfigError as exc:
+                raise ConfigError(f"{self.source} point '{self.label(params)}': {exc.key}", str(exc)) from None
+            first = first or cfg
+            for obj in self.objectives:
+                _check_metric(obj.metric, cfg, f"{self.source}: objectives")
+        return first
+
+
+def changing_results(overrides: list[str]) -> list[str]:
+    """The overrides that change what a run computes (not where it runs or is tracked)."""
+    return [o for o in overrides if not o.startswith(_PLACEMENT)]
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else _override_value(value)
+
+
+_EVAL = re.compile(r"^eval/(?P<suite>[^/]+)/(?P<backend>ref|vllm)/k(?P<k>\d+)/")
+_DRIFT = re.compile(r"^drift/(?P<suite>[^/]+)/k(?P<k>\d+)/")
+
+
+def _check_metric(metric: str, cfg: DictConfig, where: str) -> None:
+    """A metric named after a suite, backend and k the runs do not evaluate would never be logged."""
+    m = _EVAL.match(metric) or _DRIFT.match(metric)
+    if not m:
+        return
+    e = cfg.eval
+    suite = m["suite"].split(".")[0]
+    if suite not in e.suites:
+        raise ConfigError(where, f"'{metric}' needs suite '{suite}' in eval.suites (runs evaluate {list(e.suites)})")
+    if int(m["k"]) not in e.num_speculative_tokens:
+        raise ConfigError(
+            where, f"'{metric}' needs k={m['k']} in eval.num_speculative_tokens ({list(e.num_speculative_tokens)})"
+        )
+    backend = m.groupdict().get("backend") or "ref"  # drift probes come from the reference decoder
+    if backend not in e.backends:
+        raise ConfigError(where, f"'{metric}' needs backend '{backend}' in eval.backends ({list(e.backends)})")
+
+
+def available(folder: Path = SWEEP_DIR) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
+    """Read and check `sweeps/NAME.yaml` (or NAME given as a path to a .yaml file); raises ConfigError
+    naming the key and what is expected."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name)
+        name, where = path.stem, name
+        if not path.is_file():
+            raise ConfigError("sweep", f"'{where}' is not a readable file")
+    else:
+        path, where = folder / f"{name}.yaml", f"sweeps/{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("sweep", f"unknown sweep '{name}'; available: {', '.join(available(folder))}")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(where, f"not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(where, "expected a mapping with space, objectives, sampler, ...")
+    allowed = {
+        "description", "space", "overrides", "sampler", "pruner", "objectives", "seeds", "trials", "study",
+        "max_retry", "heartbeat_s", "grace_s",
+    }  # fmt: skip
+    unknown = set(spec) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: {sorted(unknown)[0]}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    space = spec.get("space")
+    if not isinstance(space, dict) or not space:
+        raise ConfigError(f"{where}: space", "expected a mapping of config key -> [values] or {low, high}")
+    sweep = Sweep(
+        name=name,
+        space=[_param(f"{where}: space.{k}", str(k), v) for k, v in space.items()],
+        objectives=_objectives(f"{where}: objectives", spec.get("objectives")),
+        description=str(spec.get("description", "")),
+        overrides=_str_list(f"{where}: overrides", spec.get("overrides", [])),
+        sampler=_named(f"{where}: sampler", spec.get("sampler", "tpe"), SAMPLERS),
+        pruner=_named(f"{where}: pruner", spec.get("pruner", "none"), PRUNERS),
+        seeds=_seeds(f"{where}: seeds", spec.get("seeds", [0])),
+        trials=spec.get("trials"),
+        study=spec.get("study"),
+        max_retry=int(spec.get("max_retry", 2)),
+        heartbeat_s=float(spec.get("heartbeat_s", 20.0)),
+        grace_s=float(spec.get("grace_s", 120.0)),
+        source=where,
+    )
+    if sweep.trials is not None and (not isinstance(sweep.trials, int) or sweep.trials < 1):
+        raise ConfigError(f"{where}: trials", f"expected a positive integer (the total budget), got {sweep.trials!r}")
+    if sweep.is_grid:
+        sweep.points()  # a float range raises here
+        if sweep.trials is not None and sweep.trials != sweep.budget():
+            raise ConfigError(
+                f"{where}: trials", f"a grid runs every point x seed ({sweep.budget()}); drop trials or set it to that"
+            )
+    if len(sweep.objectives) > 1 and sweep.pruner["name"] != "none":
+        raise ConfigError(f"{where}: pruner", "Optuna prunes single-objective studies only; use pruner: none")
+    if sweep.sampler["name"] == "nsga2" and len(sweep.objectives) < 2:
+        raise ConfigError(f"{where}: sampler", "nsga2 is for two or more objectives; use tpe for one")
+    return sweep
+
+
+def _param(where: str, name: str, spec: Any) -> Param:
+    if isinstance(spec, list):
+        if not spec:
+            raise ConfigError(where, "expected a non-empty list of values")
+        return Param(
+            name, "categorical", [v if isinstance(v, (str, int, float, bool)) else json.dumps(v) for v in spec]
+        )
+    if isinstance(spec, dict) and "choices" in spec:
+        bundles = spec["choices"]
+        if not isinstance(bundles, dict) or not bundles or not all(isinstance(v, list) for v in bundles.values()):
+            raise ConfigError(where, "choices: expected a mapping of name -> [overrides]")
+        return Param(name, "bundle", list(bundles), bundles={str(k): [str(o) for o in v] for k, v in bundles.items()})
+    if isinstance(spec, dict) and {"low", "high"} <= set(spec):
+        extra = set(spec) - {"low", "high", "step", "log"}
+        if extra:
+            raise ConfigError(where, f"unknown key '{sorted(extra)[0]}'; a range has low, high, step, log")
+        low, high = spec["low"], spec["high"]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or low >= high:
+            raise ConfigError(where, f"expected numbers low < high, got low={low!r} high={high!r}")
+        is_int = isinstance(low, int) and isinstance(high, int) and isinstance(spec.get("step", 1), int)
+        log = bool(spec.get("log", False))
+        if log and low <= 0:
+            raise ConfigError(where, f"a log range needs low > 0, got {low}")
+        return Param(name, "int" if is_int else "float", low=low, high=high, step=spec.get("step"), log=log)
+    raise ConfigError(where, "expected [values], {low, high[, log, step]} or {choices: {name: [overrides]}}")
+
+
+def _objectives(where: str, spec: Any) -> list[Objective]:
+    if isinstance(spec, (str, dict)):
+        spec = [spec]
+    if not isinstance(spec, list) or not spec:
+        raise ConfigError(where, "expected a list of {metric: KEY, direction: maximize|minimize}")
+    out = []
+    for i, o in enumerate(spec):
+        o = {"metric": o} if isinstance(o, str) else o
+        if (
+            not isinstance(o, dict)
+            or not isinstance(o.get("metric"), str)
+            or set(o) - {"metric", "direction", "reduce"}
+        ):
+            raise ConfigError(f"{where}[{i}]", "expected {metric: KEY, direction: maximize|minimize, reduce: last}")
+        obj = Objective(o["metric"], str(o.get("direction", "maximize")), str(o.get("reduce", "last")))
+        if obj.direction not in DIRECTIONS:
+            raise ConfigError(f"{where}[{i}].direction", f"'{obj.direction}'; allowed: {', '.join(DIRECTIONS)}")
+        if obj.reduce not in REDUCTIONS:
+            raise ConfigError(f"{where}[{i}].reduce", f"'{obj.reduce}'; allowed: {', '.join(REDUCTIONS)}")
+        out.append(obj)
+    return out
+
+
+def _named(where: str, spec: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    spec = {"name": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, dict) or spec.get("name") not in allowed:
+        raise ConfigError(where, f"expected one of {', '.join(allowed)} (or {{name: ..., options}}), got {spec!r}")
+    return dict(spec)
+
+
+def _seeds(where: str, seeds: Any) -> list[int]:
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) for s in seeds)
+        or len(set(seeds)) < len(seeds)
+    ):
+        raise ConfigError(where, f"expected a non-empty list of distinct integers, got {seeds!r}")
+    return seeds
+
+
+def _str_list(where: str, items: Any) -> list[str]:
+    if not isinstance(items, list):
+        raise ConfigError(where, f"expected a list of key=value overrides, got {items!r}")
+    return [str(o) for o in items]
