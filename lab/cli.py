@@ -19,10 +19,12 @@ EPILOG = """examples:
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
   lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick   # the same, in minutes
+  lab sweep sweep=toggles_grid --workers 2  # an Optuna study: every trial a child MLflow run, resumable
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
 config groups: target data drafter train eval suite tracking (see configs/); any key: group.key=value
 experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness (see experiments/)
+sweeps: see sweeps/ (toggles_grid, tpe_eagle3, tpe_eagle31, pareto_al_drift)
 """
 
 
@@ -49,30 +51,76 @@ def cmd_run(overrides: list[str]) -> int:
     return 0
 
 
-def cmd_ablate(overrides: list[str]) -> int:
-    from lab.report.tables import write_summary
-    from lab.sweep import experiment
-    from lab.sweep.ablate import ablate
-
-    names = [o.split("=", 1)[1] for o in overrides if o.startswith("experiment=")]
+def _named(overrides: list[str], key: str, example: str, choices: list[str]) -> tuple[str | None, list[str]]:
+    """`key=NAME` taken out of the overrides (the last one wins), and the rest."""
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
+    rest = [o for o in overrides if not o.startswith(f"{key}=")]
     if not names:
-        choices = ", ".join(experiment.available())
-        return _fail(f"experiment: required, e.g. `lab ablate experiment=drift_2x2`; available: {choices}")
-    exp = experiment.load(names[-1])
-    extra = [o for o in overrides if not o.startswith("experiment=")]
-    result = ablate(exp, extra)
-    uri = compose(exp.run_overrides(exp.arms[0], exp.seeds[0], extra)).tracking.uri
+        raise ConfigError(key, f"required, e.g. `{example}`; available: {', '.join(choices)}")
+    return names[-1], rest
+
+
+def _worker_mode(overrides: list[str]) -> tuple[bool, list[str]]:
+    if overrides and overrides[0] == "worker":
+        return True, overrides[1:]
+    return False, overrides
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from lab.sweep import engine, spec
+
+    worker, overrides = _worker_mode(args.overrides)
+    name, extra = _named(overrides, "sweep", "lab sweep sweep=toggles_grid", spec.available())
+    sweep = spec.load(name)
+    if worker:
+        engine.join(sweep, extra, progress=not args.no_progress)
+        return 0
+    result = engine.launch(
+        sweep,
+        extra,
+        ["sweep", "worker", f"sweep={name}"],
+        workers=args.workers,
+        trials=args.trials,
+        progress=not args.no_progress,
+    )
+    return _report_sweep(result)
+
+
+def _report_sweep(result) -> int:
+    c = result.counts
+    print(f"\n{result.summary}")
+    print(
+        f"study {result.study_name}: {c['complete']} complete, {c['pruned']} pruned, {c['failed']} failed of "
+        f"{result.budget}; {result.ran} finished in this invocation ({result.seconds / 60:.1f} min); "
+        f"MLflow parent run {result.parent_run_id}; browse with `lab ui`"
+    )
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from lab.report.tables import write_summary
+    from lab.sweep import engine, experiment
+
+    worker, overrides = _worker_mode(args.overrides)
+    name, extra = _named(overrides, "experiment", "lab ablate experiment=drift_2x2", experiment.available())
+    exp = experiment.load(name)
+    sweep = exp.as_sweep(extra)
+    if worker:
+        engine.join(sweep, extra, progress=not args.no_progress)
+        return 0
+    worker_args = ["ablate", "worker", f"experiment={name}"]
+    result = engine.launch(sweep, extra, worker_args, workers=args.workers, progress=not args.no_progress)
+    uri = compose([*exp.overrides, *extra]).tracking.uri
     arms = [(a.name, a.label) for a in exp.arms]
     path, table = write_summary(uri, result.parent_run_id, exp.name, exp.description, arms, exp.baseline)
     print(f"\n{table}\n")
+    c = result.counts
     print(
-        f"ablation {exp.name}: ran {len(result.ran)}, skipped {len(result.skipped)} (already finished), "
-        f"failed {len(result.failed)} in {result.seconds / 60:.1f} min; parent run {result.parent_run_id}; "
+        f"ablation {exp.name}: {c['complete']} of {result.budget} runs finished ({result.ran} in this invocation, "
+        f"{result.seconds / 60:.1f} min), {c['failed']} failed; parent run {result.parent_run_id}; "
         f"tables in {path}; browse with `lab ui`"
     )
-    for (arm, seed), why in result.failed.items():
-        print(f"  failed: {arm} seed {seed}: {why}")
-    return 1 if result.failed else 0
+    return 1 if c["failed"] else 0
 
 
 def cmd_target_build(overrides: list[str]) -> int:
@@ -192,15 +240,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
     abl = sub.add_parser(
         "ablate",
-        help="every arm x seed of experiments/NAME.yaml as child runs of one parent run (resumable)",
-        description="Run every arm x seed of experiments/NAME.yaml as child MLflow runs of one parent run, "
-        "then write the tables to reports/NAME/summary.md. Rerunning the same command resumes: finished "
-        "runs are skipped.",
+        help="every arm x seed of experiments/NAME.yaml as a grid study, child runs of one parent (resumable)",
+        description="Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child "
+        "MLflow runs of one parent run, then the tables in reports/NAME/summary.md. Rerunning the same command "
+        "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.",
         epilog="experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness\n"
-        "example: lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
+        "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
+        "  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    abl.add_argument("overrides", nargs="*", help="experiment=NAME, then Hydra overrides applied to every arm")
+    abl.add_argument("overrides", nargs="*", help="[worker] experiment=NAME, then Hydra overrides for every arm")
+    sweep = sub.add_parser(
+        "sweep",
+        help="an Optuna study over sweeps/NAME.yaml: every trial a child MLflow run (resumable, parallel)",
+        description="Create or resume the Optuna study of sweeps/NAME.yaml and run its trials up to the TOTAL "
+        "budget: each trial composes its config, runs the pipeline as a child MLflow run of the study's parent "
+        "run and reports its objective(s). Rerunning continues the same study. `lab sweep worker sweep=NAME` "
+        "joins a running study from another process or machine (same storage, same overrides). The storage "
+        "is a journal file beside the MLflow database, or tracking.optuna_storage=URL (e.g. PostgreSQL).",
+        epilog="examples:\n  lab sweep sweep=toggles_grid --workers 2 target=micro data=micro train=quick eval=quick\n"
+        "  lab sweep sweep=tpe_eagle31 --trials 40\n"
+        "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sweep.add_argument("overrides", nargs="*", help="[worker] sweep=NAME, then Hydra overrides for every trial")
+    sweep.add_argument("--trials", type=int, help="the total trial budget (default: the spec's)")
+    for study_parser in (abl, sweep):
+        study_parser.add_argument("--workers", type=int, default=1, help="trials run in parallel here (default 1)")
+        study_parser.add_argument("--no-progress", action="store_true", help="no progress bars (stage lines only)")
     target = sub.add_parser("target", help="target model commands")
     tsub = target.add_subparsers(dest="target_verb", required=True)
     build = tsub.add_parser("build", help="build (or find in the cache) the configured target")
@@ -240,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     handlers: dict[str, Callable[[], int]] = {
         "run": lambda: cmd_run(args.overrides),
-        "ablate": lambda: cmd_ablate(args.overrides),
+        "ablate": lambda: cmd_ablate(args),
+        "sweep": lambda: cmd_sweep(args),
         "target": lambda: cmd_target_build(args.overrides),
         "export": lambda: cmd_export(args),
         "doctor": lambda: cmd_doctor(args.overrides),

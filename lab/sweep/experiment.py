@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig
 
 from lab.config import ConfigError, compose
-from lab.fsutil import short_hash
+from lab.sweep.spec import Objective, Param, Sweep
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
 
@@ -32,24 +31,28 @@ class Experiment:
     overrides: list[str] = field(default_factory=list)  # applied to every arm
     figures: list[str] = field(default_factory=list)
 
-    def run_overrides(self, arm: Arm, seed: int, extra: list[str]) -> list[str]:
-        """Experiment-wide deltas, then the arm's, then the user's, then the run's identity."""
-        return [*self.overrides, *arm.overrides, *extra, f"study={self.name}", f"arm={arm.name}", f"seed={seed}"]
-
-    def compose_all(self, extra: list[str]) -> dict[tuple[str, int], DictConfig]:
-        """The config of every arm x seed (raises ConfigError naming the arm on a bad delta)."""
-        configs = {}
-        for arm in self.arms:
-            for seed in self.seeds:
-                try:
-                    configs[(arm.name, seed)] = compose(self.run_overrides(arm, seed, extra))
-                except ConfigError as exc:
-                    raise ConfigError(f"experiments/{self.name}.yaml arm '{arm.name}': {exc.key}", str(exc)) from None
-        return configs
-
-    def key(self, extra: list[str]) -> str:
-        """Identity of one ablation study: the spec and the user's overrides."""
-        return short_hash({"arms": [a.__dict__ for a in self.arms], "seeds": self.seeds, "o": self.overrides + extra})
+    def as_sweep(self, extra: list[str]) -> Sweep:
+        """The ablation as a grid study: one bundle parameter `arm` x the seeds. Its objective (what the
+        summary ranks by) is the AL of the first suite at the first k."""
+        first = self.arms[0]
+        try:
+            cfg = compose([*self.overrides, *first.overrides, *extra])
+        except ConfigError as exc:
+            raise ConfigError(f"experiments/{self.name}.yaml point '{first.name}': {exc.key}", str(exc)) from None
+        e = cfg.eval
+        backend = "ref" if "ref" in e.backends else "vllm"
+        metric = f"eval/{e.suites[0]}/{backend}/k{e.num_speculative_tokens[0]}/al"
+        arm = Param("arm", "bundle", [a.name for a in self.arms], bundles={a.name: a.overrides for a in self.arms})
+        return Sweep(
+            name=self.name,
+            space=[arm],
+            objectives=[Objective(metric)],
+            description=self.description,
+            overrides=self.overrides,
+            sampler={"name": "grid"},
+            seeds=self.seeds,
+            source=f"experiments/{self.name}.yaml",
+        )
 
 
 def available() -> list[str]:
