@@ -1,25 +1,26 @@
-"""Experiments compose for every arm x seed; `lab ablate` runs them as children of one parent run and
-resumes without rerunning what finished."""
+"""Experiments compose for every arm x seed; `lab ablate` runs them as a grid study of the sweep engine,
+children of one parent run, and resumes without rerunning what finished."""
 
 from __future__ import annotations
 
 import pytest
 
 from lab import track
-from lab.config import ConfigError
+from lab.config import ConfigError, compose
 from lab.report.tables import write_summary
 from lab.sweep import experiment
-from lab.sweep.ablate import ablate
+from lab.sweep.engine import launch
 
 
 @pytest.mark.parametrize("name", experiment.available())
 def test_every_experiment_composes(name):
     exp = experiment.load(name)
-    configs = exp.compose_all([])
-    assert len(exp.seeds) >= 3 and len(configs) == len(exp.arms) * len(exp.seeds)
+    sweep = exp.as_sweep([])
+    configs = [sweep.check([])] + [compose(sweep.trial_overrides(p, s, [])) for p in sweep.points() for s in exp.seeds]
+    assert len(exp.seeds) >= 3 and sweep.budget() == len(exp.arms) * len(exp.seeds)
     assert exp.baseline in {a.name for a in exp.arms}
-    assert {cfg.arm for cfg in configs.values()} == {a.name for a in exp.arms}
-    assert all(cfg.study == name for cfg in configs.values())
+    assert {cfg.arm for cfg in configs} == {a.name for a in exp.arms}
+    assert all(cfg.study == name for cfg in configs)
 
 
 def test_shipped_experiments_cover_the_paper():
@@ -34,8 +35,8 @@ def test_bad_experiments_fail_with_one_line(tmp_path):
     with pytest.raises(ConfigError, match="unknown experiment 'nope'; available: depth_extrapolation"):
         experiment.load("nope")
     (tmp_path / "bad.yaml").write_text("arms:\n  a:\n    overrides: [drafter.fc_norm=both]\n")
-    with pytest.raises(ConfigError, match="arm 'a': drafter.fc_norm"):
-        experiment.load("bad", tmp_path).compose_all([])
+    with pytest.raises(ConfigError, match="experiments/bad.yaml point 'a': drafter.fc_norm"):
+        experiment.load("bad", tmp_path).as_sweep([])
     (tmp_path / "typo.yaml").write_text("arms:\n  a: {overrides: []}\nseed: [1]\n")
     with pytest.raises(ConfigError, match="typo.yaml: seed: unknown key"):
         experiment.load("typo", tmp_path)
@@ -50,8 +51,9 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_pa
     exp = experiment.load("tiny", tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     extra = [*micro_overrides, f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path / 'art'}"]
-    first = ablate(exp, extra, progress=False)
-    assert sorted(first.ran) == [("e3", 0), ("e3", 1), ("e31", 0), ("e31", 1)] and not first.failed
+    sweep = exp.as_sweep(extra)
+    first = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
+    assert first.ran == 4 and first.counts["complete"] == 4
     children = track.child_runs(uri, first.parent_run_id, status="FINISHED")
     assert sorted((r.data.tags["arm"], r.data.tags["seed"]) for r in children) == [
         ("e3", "0"),
@@ -63,7 +65,7 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_pa
     path, table = write_summary(uri, first.parent_run_id, "tiny", "", [("e3", "E3"), ("e31", "E31")], "e3", tmp_path)
     assert path.read_text().count("| E31 |") == 3  # the AL row, the drift row (suite in_dist), the rollout row
     assert "| E3 | 2 |" in table and ("(+" in table or "(-" in table)  # n = 2 seeds; change vs the baseline
-    again = ablate(exp, extra, progress=False)
+    again = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
     assert again.parent_run_id == first.parent_run_id
-    assert again.ran == [] and len(again.skipped) == 4
+    assert again.ran == 0 and again.counts["complete"] == 4
     assert len(track.child_runs(uri, first.parent_run_id)) == 4

@@ -1,0 +1,263 @@
+"""Optuna sweeps: specs compose and fail with one line; on the micro target a grid covers every point x
+seed once, an interrupted sweep resumes to exactly its total budget, two workers share one journal
+study without duplicates, and a clearly worse trial is pruned."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from lab import track
+from lab.config import ConfigError
+from lab.sweep import engine, spec
+from lab.sweep.engine import launch
+from lab.sweep.spec import Sweep
+
+FAST = ["train.steps=6", "eval.num_prompts=2"]
+
+
+@pytest.mark.parametrize("name", spec.available())
+def test_every_shipped_sweep_composes(name, micro_overrides):
+    sweep = spec.load(name)
+    assert sweep.check([]) is not None  # the default target
+    cfg = sweep.check(micro_overrides)  # and the micro one
+    assert cfg.study == name and sweep.budget() >= 8
+
+
+def test_shipped_sweeps_cover_the_issue():
+    grid = spec.load("toggles_grid")
+    toggles = {p.name for p in grid.space}
+    assert grid.is_grid and {"drafter.fc_norm", "drafter.norm_output", "drafter.norm_type"} <= toggles
+    assert len(toggles) == 4 and grid.budget() == len(grid.points()) == 16
+    for preset in ("eagle3", "eagle31"):
+        tpe = spec.load(f"tpe_{preset}")
+        assert tpe.sampler["name"] == "tpe" and f"drafter={preset}" in tpe.overrides
+        assert {p.name: p.kind for p in tpe.space} == {"train.lr": "float", "train.ttt_length": "int"}
+        assert next(p for p in tpe.space if p.name == "train.lr").log and tpe.pruner["name"] == "median"
+    pareto = spec.load("pareto_al_drift")
+    assert [o.direction for o in pareto.objectives] == ["maximize", "minimize"]
+
+
+def test_the_readme_example_spec_composes(tmp_path, micro_overrides):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    sweep = spec.load(str(_write(tmp_path, "example", example)))
+    assert {p.kind for p in sweep.space} == {"categorical", "float", "int", "bundle"}
+    assert sweep.check(micro_overrides).eval.suites == ["in_dist", "long_context"]
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+BAD_SPECS = [
+    ("space: {train.lr: [1]}\nobjectives: [eval/in_dist/ref/k3/al]\nsamplr: tpe\n", "samplr: unknown key"),
+    ("space: {train.lr: {low: 1, high: 0}}\nobjectives: [x]\n", "space.train.lr: expected numbers low < high"),
+    ("space: {train.lr: {low: 0, high: 1, log: true}}\nobjectives: [x]\n", "a log range needs low > 0"),
+    ("space: {train.lr: [1]}\nobjectives: [x]\nsampler: nsga2\n", "nsga2 is for two or more objectives"),
+    ("space: {train.lr: [1]}\nobjectives: [x, y]\npruner: median\n", "prunes single-objective studies only"),
+    ("space: {train.lr: [1]}\nobjectives: [{metric: x, direction: up}]\n", "direction: 'up'; allowed"),
+    ("space: {train.lr: {low: 0.1, high: 1.0}}\nobjectives: [x]\nsampler: grid\n", "a grid needs a list"),
+    ("space: {train.lr: [1]}\nobjectives: [x]\nsampler: grid\ntrials: 3\n", "a grid runs every point x seed (1)"),
+    ("space: {train.lr: [1]}\nobjectives: [x]\nsampler: bayes\n", "sampler: expected one of tpe, random"),
+    ("space: {}\nobjectives: [x]\n", "space: expected a mapping"),
+    ("space: {train.lr: [1]}\n", "objectives: expected a list"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_SPECS)
+def test_bad_specs_fail_with_one_line(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        spec.load(str(_write(tmp_path, "bad", text)))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_points_and_objectives_fail_before_any_run(tmp_path, micro_overrides):
+    with pytest.raises(ConfigError, match="unknown sweep 'nope'; available: pareto_al_drift"):
+        spec.load("nope")
+    path = _write(tmp_path, "s", "space: {drafter.fc_norm: [none, both]}\nobjectives: [eval/in_dist/ref/k3/al]\n")
+    with pytest.raises(ConfigError, match="point 'fc_norm=both': drafter.fc_norm"):
+        spec.load(str(path)).check(micro_overrides)
+    path = _write(tmp_path, "s", "space: {train.lr: [0.001]}\nobjectives: [eval/long_context/ref/k3/al]\n")
+    with pytest.raises(ConfigError, match="needs suite 'long_context' in eval.suites"):
+        spec.load(str(path)).check(micro_overrides)
+    path = _write(tmp_path, "s", "space: {train.lr: [0.001]}\nobjectives: [drift/in_dist/k9/sink_mass]\n")
+    with pytest.raises(ConfigError, match="needs k=9 in eval.num_speculative_tokens"):
+        spec.load(str(path)).check(micro_overrides)
+    with pytest.raises(ConfigError, match="train.lr: swept by"):
+        spec.load(str(path)).check([*micro_overrides, "train.lr=0.1"])
+    path = _write(tmp_path, "s", "space: {train.lr: [0.001]}\nobjectives: [x]\nseeds: [0, 1]\ntrials: 3\n")
+    with pytest.raises(ConfigError, match="use a multiple of 2"):
+        spec.load(str(path)).budget()
+
+
+def test_study_identity_ignores_budget_and_placement():
+    sweep = spec.load("tpe_eagle3")
+    key = sweep.key(["target=micro"])
+    assert sweep.key(["target=micro", "threads=1", "tracking.uri=sqlite:///x.db"]) == key
+    assert sweep.key(["target=micro", "train.steps=9"]) != key
+    sweep.trials = 99
+    assert sweep.key(["target=micro"]) == key
+    assert engine.redact("postgresql://me:secret@db:5432/optuna") == "postgresql://me:***@db:5432/optuna"
+
+
+# ------------------------------------------------------------------------------- real sweeps (micro target)
+
+
+def _store(tmp_path: Path, micro_overrides: list[str]) -> list[str]:
+    """The session's micro target and cache, a fresh MLflow store and journal for this test."""
+    return [
+        *micro_overrides,
+        *FAST,
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.artifact_root={tmp_path / 'artifacts'}",
+    ]
+
+
+def _study(sweep: Sweep, extra: list[str]) -> optuna.Study:
+    return optuna.load_study(study_name=sweep.study_name(extra), storage=engine._open_storage(_journal(extra)))
+
+
+def _journal(extra: list[str]) -> str:
+    db = _uri(extra).split("sqlite:///", 1)[1]
+    return str(Path(db).parent / "optuna.journal")
+
+
+def _slots(study: optuna.Study) -> list[tuple[int, int]]:
+    done = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+    return [(t.user_attrs["point"], t.user_attrs["seed"]) for t in done]
+
+
+def _children(extra: list[str], parent: str) -> list:
+    return track.child_runs(_uri(extra), parent)
+
+
+def _uri(extra: list[str]) -> str:
+    return [o for o in extra if o.startswith("tracking.uri=")][-1].split("=", 1)[1]
+
+
+@pytest.mark.slow
+def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "grid",
+        "space: {drafter.fc_norm: [none, per_layer]}\nsampler: grid\nseeds: [0, 1]\n"
+        "objectives: [eval/in_dist/ref/k3/al]\n",
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    first = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    assert first.counts["complete"] == 4 and first.ran == 4
+    study = _study(sweep, extra)
+    assert sorted(_slots(study)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    runs = _children(extra, first.parent_run_id)
+    assert len(runs) == 4 and all(r.info.status == "FINISHED" for r in runs)
+    by_trial = {t.number: t for t in study.trials}
+    for run in runs:  # the trial knows its run, the run knows its trial; params and tags match
+        trial = by_trial[int(run.data.tags["trial"])]
+        assert trial.user_attrs["mlflow_run_id"] == run.info.run_id
+        assert run.data.params["drafter.fc_norm"] == trial.params["drafter.fc_norm"]
+        assert run.data.tags["seed"] == str(trial.user_attrs["seed"]) and run.data.tags["study"] == "grid"
+        assert run.data.tags["trial_state"] == "COMPLETE"
+        assert trial.values[0] == pytest.approx(run.data.metrics["eval/in_dist/ref/k3/al"])
+    assert "Best trial" in first.summary and "Hidden-state cache" in first.summary
+    again = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    assert again.parent_run_id == first.parent_run_id and again.ran == 0
+    assert len(_study(sweep, extra).trials) == 4 and len(_children(extra, first.parent_run_id)) == 4
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "two",
+        "space:\n  train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}\n  drafter.norm_output: [false, true]\n"
+        "sampler: {name: random, seed: 0}\ntrials: 6\nobjectives:\n  - eval/in_dist/ref/k3/al\n"
+        "  - {metric: drift/in_dist/k3/norm_growth, direction: minimize}\n",
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], workers=2, progress=False)
+    study = _study(sweep, extra)
+    assert result.counts["complete"] == 6 and len(study.trials) == 6
+    assert sorted(_slots(study)) == [(p, 0) for p in range(6)]  # every slot once
+    assert len({t.user_attrs["worker"] for t in study.trials}) == 2  # both workers ran trials
+    assert all(len(t.values) == 2 for t in study.trials)  # two objectives
+    runs = _children(extra, result.parent_run_id)
+    assert sorted(int(r.data.tags["trial"]) for r in runs) == list(range(6))
+    assert len({r.data.params["train.lr"] for r in runs}) == 6 and "Pareto front" in result.summary
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "resume",
+        "space: {train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}}\nsampler: {name: tpe, seed: 0}\n"
+        "trials: 4\nobjectives: [eval/in_dist/ref/k3/al]\n",
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline:  # kill it hard while its third trial's MLflow run is open
+            if os.path.exists(_journal(extra)):
+                trials = _study(sweep, extra).trials
+                complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+                running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+                if len(complete) == 2 and running and "mlflow_run_id" in running[0].user_attrs:
+                    break
+            assert proc.poll() is None, "ended early:\n" + (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    killed = next(t for t in _study(sweep, extra).trials if t.state == optuna.trial.TrialState.RUNNING)
+
+    resumed = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    study = _study(sweep, extra)
+    states = [t.state.name for t in study.trials]
+    assert states.count("COMPLETE") == 4 and states.count("FAIL") == 1 and len(states) == 5
+    retry = next(t for t in study.trials if t.system_attrs.get("failed_trial") == killed.number)
+    assert retry.params == killed.params and retry.state.name == "COMPLETE"  # the same point, run again
+    assert sorted(_slots(study)) == [(p, 0) for p in range(4)]
+    runs = _children(extra, resumed.parent_run_id)
+    dead = next(r for r in runs if r.info.run_id == killed.user_attrs["mlflow_run_id"])
+    assert dead.info.status == "FAILED"  # the killed worker's run does not stay RUNNING forever
+
+    more = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], trials=6, progress=False)
+    assert more.parent_run_id == resumed.parent_run_id and more.ran == 2 and more.counts["complete"] == 6
+    assert launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], trials=6, progress=False).ran == 0
+
+
+@pytest.mark.slow
+def test_a_clearly_worse_trial_is_pruned(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "prune",
+        "space: {train.lr: [5.0e-3, 1.0e-7]}\nsampler: grid\n"
+        "pruner: {name: median, n_startup_trials: 1, n_warmup_steps: 10, interval_steps: 1}\n"
+        "objectives: [eval/in_dist/ref/k3/al]\n",
+    )
+    extra = [*_store(tmp_path, micro_overrides), "train.steps=40", "train.log_every=5"]
+    sweep = spec.load(str(path))
+    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    good, bad = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
+    assert good.state.name == "COMPLETE" and bad.state.name == "PRUNED" and result.counts["pruned"] == 1
+    assert max(bad.intermediate_values) < 40  # stopped early
+    run = next(r for r in _children(extra, result.parent_run_id) if r.data.tags["trial"] == str(bad.number))
+    assert (
+        run.info.status == "KILLED"
+        and run.data.tags["trial_state"] == "PRUNED"
+        and "pruned" in run.data.tags["stopped"]
+    )
+    assert "eval/in_dist/ref/k3/al" not in run.data.metrics
