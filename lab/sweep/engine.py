@@ -100,7 +100,7 @@ def _sampler(sweep: Sweep, worker_index: int, history: int) -> optuna.samplers.B
     try:
         return samplers[name]()
     except TypeError as exc:
-        raise ConfigError(f"sweeps/{sweep.name}.yaml: sampler", f"bad option for {name}: {exc}") from None
+        raise ConfigError(f"{sweep.source}: sampler", f"bad option for {name}: {exc}") from None
 
 
 def _pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
@@ -115,7 +115,7 @@ def _pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
     try:
         return pruners[name](**opts)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"sweeps/{sweep.name}.yaml: pruner", f"bad option for {name}: {exc}") from None
+        raise ConfigError(f"{sweep.source}: pruner", f"bad option for {name}: {exc}") from None
 
 
 @dataclass
@@ -156,7 +156,7 @@ def open_session(sweep: Sweep, extra: list[str], cfg: DictConfig, create: bool, 
     storage = _open_storage(url)
     name = sweep.study_name(extra)
     directions = [o.direction for o in sweep.objectives]
-    history = next((s.n_trials for s in optuna.get_all_study_summaries(storage, False) if s.study_name == name), 0)
+    history = next((x.n_trials for x in optuna.get_all_study_summaries(storage, False) if x.study_name == name), 0)
     sampler, pruner = _sampler(sweep, worker_index, history), _pruner(sweep)
     if create:
         study = optuna.create_study(
