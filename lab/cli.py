@@ -51,7 +51,7 @@ def cmd_run(overrides: list[str]) -> int:
     return 0
 
 
-def _named(overrides: list[str], key: str, example: str, choices: list[str]) -> tuple[str | None, list[str]]:
+def _named(overrides: list[str], key: str, example: str, choices: list[str]) -> tuple[str, list[str]]:
     """`key=NAME` taken out of the overrides (the last one wins), and the rest."""
     names = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")]
     rest = [o for o in overrides if not o.startswith(f"{key}=")]
@@ -83,10 +83,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         trials=args.trials,
         progress=not args.no_progress,
     )
-    return _report_sweep(result)
-
-
-def _report_sweep(result) -> int:
     c = result.counts
     print(f"\n{result.summary}")
     print(
