@@ -261,3 +261,17 @@ def test_a_clearly_worse_trial_is_pruned(tmp_path, micro_overrides):
         and "pruned" in run.data.tags["stopped"]
     )
     assert "eval/in_dist/ref/k3/al" not in run.data.metrics
+
+
+@pytest.mark.slow
+def test_an_rdb_storage_by_override_holds_the_study(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path, "rdb", "space: {train.lr: [0.003, 0.005]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
+    )
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"  # any SQLAlchemy URL: postgresql://... the same way
+    sweep, extra = spec.load(str(path)), [*_store(tmp_path, micro_overrides), f"tracking.optuna_storage={url}"]
+    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    assert result.storage == url and result.counts["complete"] == 2
+    study = optuna.load_study(study_name=result.study_name, storage=url)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    assert not Path(_journal(extra)).exists()  # nothing went to the default journal
