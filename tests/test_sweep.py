@@ -275,3 +275,27 @@ def test_an_rdb_storage_by_override_holds_the_study(tmp_path, micro_overrides):
     study = optuna.load_study(study_name=result.study_name, storage=url)
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
     assert not Path(_journal(extra)).exists()  # nothing went to the default journal
+
+
+@pytest.mark.slow
+def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_period(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "remote",
+        "space: {train.lr: [0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\nheartbeat_s: 1\ngrace_s: 3\n",
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    cfg = sweep.check(extra)
+    s = engine.open_session(sweep, extra, cfg, create=True)
+    engine.top_up(s, sweep.budget())
+    # a worker on another machine took the only trial, stamped one heartbeat, and went silent
+    frozen = s.trials()[0]
+    assert s.storage.set_trial_state_values(frozen._trial_id, optuna.trial.TrialState.RUNNING)
+    s.storage.set_trial_user_attr(frozen._trial_id, "worker", "another-host:4242")
+    s.storage.set_trial_user_attr(frozen._trial_id, "heartbeat", time.time())
+    started = time.time()
+    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    trials = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"] and result.counts["complete"] == 1
+    assert trials[1].system_attrs["failed_trial"] == 0 and "another-host:4242" in trials[0].user_attrs["error"]
+    assert time.time() - started >= 3  # not before the grace period

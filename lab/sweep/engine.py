@@ -2,8 +2,9 @@
 
 How a study keeps its promises, whatever the sampler:
 - The budget is a queue. The launcher enqueues one WAITING trial per (point, seed) slot: every grid
-  point x seed with fixed params; for the other samplers one empty trial per point, whose params the
-  sampler draws when a worker takes it (its other seeds are then enqueued with the same params).
+  point x seed with fixed params (the full factorial, without Optuna's GridSampler); for the other
+  samplers one empty trial per point, whose params the sampler draws when a worker takes it (its
+  other seeds are then enqueued with the same params).
   Workers only take WAITING trials (an atomic WAITING -> RUNNING in the storage), so N workers never
   run a slot twice and never exceed the total budget; rerunning tops the queue up to the total.
 - Heartbeats: a running trial's worker stamps `heartbeat` every `heartbeat_s`. A trial whose worker
@@ -92,7 +93,10 @@ def _sampler(sweep: Sweep, worker_index: int, history: int) -> optuna.samplers.B
         # and by the trials already drawn, or a resumed study would draw its first points again
         opts["seed"] = int(opts["seed"]) + 1000 * worker_index + history
     samplers = {
-        "grid": lambda: optuna.samplers.GridSampler({p.name: p.grid() for p in sweep.space}, **opts),
+        # every grid trial is enqueued with fixed params, so the sampler is never asked; Optuna's GridSampler
+        # would be wrong here: its after_trial raises KeyError('grid_id') on an enqueued trial when one grid
+        # point is left, and on its own it may hand one point to two parallel workers
+        "grid": lambda: optuna.samplers.RandomSampler(**opts),
         "tpe": lambda: optuna.samplers.TPESampler(**opts),
         "random": lambda: optuna.samplers.RandomSampler(**opts),
         "nsga2": lambda: optuna.samplers.NSGAIISampler(**opts),
