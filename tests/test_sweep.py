@@ -299,3 +299,21 @@ def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_peri
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"] and result.counts["complete"] == 1
     assert trials[1].system_attrs["failed_trial"] == 0 and "another-host:4242" in trials[0].user_attrs["error"]
     assert time.time() - started >= 3  # not before the grace period
+
+
+@pytest.mark.slow
+def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "seeds",
+        "space: {train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}}\nsampler: {name: random, seed: 0}\n"
+        "seeds: [0, 1]\ntrials: 4\nobjectives: [eval/in_dist/ref/k3/al]\n",
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    trials = _study(sweep, extra).trials
+    assert result.counts["complete"] == 4 and sorted(_slots(_study(sweep, extra))) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for point in (0, 1):  # both seeds of a point share its sampled params and its MLflow arm
+        pair = [t for t in trials if t.user_attrs["point"] == point]
+        assert pair[0].params == pair[1].params and pair[0].user_attrs["arm"] == pair[1].user_attrs["arm"]
+    assert len({t.params["train.lr"] for t in trials}) == 2  # two points, each run twice
