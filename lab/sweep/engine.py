@@ -146,7 +146,8 @@ class Session:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[None]:
-        """Serializes failing a stale trial: the journal has no compare-and-set for it (an RDB row lock does)."""
+        """Serializes topping up the queue and failing a stale trial on a journal (it has no compare-and-set
+        for either; an RDB's row lock covers the latter)."""
         if self.storage_url.startswith(_RDB_SCHEMES):
             yield
         else:
@@ -180,6 +181,11 @@ def open_session(sweep: Sweep, extra: list[str], cfg: DictConfig, create: bool, 
 
 def top_up(s: Session, budget: int) -> int:
     """Enqueue the (point, seed) slots the study does not hold yet, up to `budget`; returns how many."""
+    with s.lock():  # two launchers at once on one journal would otherwise both enqueue the missing slots
+        return _top_up(s, budget)
+
+
+def _top_up(s: Session, budget: int) -> int:
     sweep = s.sweep
     have = {(t.user_attrs.get("point"), t.user_attrs.get("seed")) for t in s.trials()}
     added = 0
