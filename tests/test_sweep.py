@@ -123,6 +123,11 @@ def _store(tmp_path: Path, micro_overrides: list[str]) -> list[str]:
     ]
 
 
+def _launch(sweep: Sweep, extra: list[str], **kwargs):
+    """The sweep of a spec file, its worker subprocesses given the same file."""
+    return launch(sweep, extra, ["sweep", "worker", f"sweep={sweep.source}"], progress=False, **kwargs)
+
+
 def _study(sweep: Sweep, extra: list[str]) -> optuna.Study:
     return optuna.load_study(study_name=sweep.study_name(extra), storage=engine._open_storage(_journal(extra)))
 
@@ -154,7 +159,7 @@ def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tm
         "objectives: [eval/in_dist/ref/k3/al]\n",
     )
     sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
-    first = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    first = _launch(sweep, extra)
     assert first.counts["complete"] == 4 and first.ran == 4
     study = _study(sweep, extra)
     assert sorted(_slots(study)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -169,7 +174,7 @@ def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tm
         assert run.data.tags["trial_state"] == "COMPLETE"
         assert trial.values[0] == pytest.approx(run.data.metrics["eval/in_dist/ref/k3/al"])
     assert "Best trial" in first.summary and "Hidden-state cache" in first.summary
-    again = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    again = _launch(sweep, extra)
     assert again.parent_run_id == first.parent_run_id and again.ran == 0
     assert len(_study(sweep, extra).trials) == 4 and len(_children(extra, first.parent_run_id)) == 4
 
@@ -184,7 +189,7 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
         "  - {metric: drift/in_dist/k3/norm_growth, direction: minimize}\n",
     )
     sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
-    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], workers=2, progress=False)
+    result = _launch(sweep, extra, workers=2)
     study = _study(sweep, extra)
     assert result.counts["complete"] == 6 and len(study.trials) == 6
     assert sorted(_slots(study)) == [(p, 0) for p in range(6)]  # every slot once
@@ -223,7 +228,7 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
         proc.wait()
     killed = next(t for t in _study(sweep, extra).trials if t.state == optuna.trial.TrialState.RUNNING)
 
-    resumed = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    resumed = _launch(sweep, extra)
     study = _study(sweep, extra)
     states = [t.state.name for t in study.trials]
     assert states.count("COMPLETE") == 4 and states.count("FAIL") == 1 and len(states) == 5
@@ -234,9 +239,9 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
     dead = next(r for r in runs if r.info.run_id == killed.user_attrs["mlflow_run_id"])
     assert dead.info.status == "FAILED"  # the killed worker's run does not stay RUNNING forever
 
-    more = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], trials=6, progress=False)
+    more = _launch(sweep, extra, trials=6)
     assert more.parent_run_id == resumed.parent_run_id and more.ran == 2 and more.counts["complete"] == 6
-    assert launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], trials=6, progress=False).ran == 0
+    assert _launch(sweep, extra, trials=6).ran == 0
 
 
 @pytest.mark.slow
@@ -250,7 +255,7 @@ def test_a_clearly_worse_trial_is_pruned(tmp_path, micro_overrides):
     )
     extra = [*_store(tmp_path, micro_overrides), "train.steps=40", "train.log_every=5"]
     sweep = spec.load(str(path))
-    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    result = _launch(sweep, extra)
     good, bad = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
     assert good.state.name == "COMPLETE" and bad.state.name == "PRUNED" and result.counts["pruned"] == 1
     assert max(bad.intermediate_values) < 40  # stopped early
@@ -270,7 +275,7 @@ def test_an_rdb_storage_by_override_holds_the_study(tmp_path, micro_overrides):
     )
     url = f"sqlite:///{tmp_path / 'optuna.db'}"  # any SQLAlchemy URL: postgresql://... the same way
     sweep, extra = spec.load(str(path)), [*_store(tmp_path, micro_overrides), f"tracking.optuna_storage={url}"]
-    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    result = _launch(sweep, extra)
     assert result.storage == url and result.counts["complete"] == 2
     study = optuna.load_study(study_name=result.study_name, storage=url)
     assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
@@ -294,7 +299,7 @@ def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_peri
     s.storage.set_trial_user_attr(frozen._trial_id, "worker", "another-host:4242")
     s.storage.set_trial_user_attr(frozen._trial_id, "heartbeat", time.time())
     started = time.time()
-    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    result = _launch(sweep, extra)
     trials = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"] and result.counts["complete"] == 1
     assert trials[1].system_attrs["failed_trial"] == 0 and "another-host:4242" in trials[0].user_attrs["error"]
@@ -310,7 +315,7 @@ def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
         "seeds: [0, 1]\ntrials: 4\nobjectives: [eval/in_dist/ref/k3/al]\n",
     )
     sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
-    result = launch(sweep, extra, ["sweep", "worker", f"sweep={path}"], progress=False)
+    result = _launch(sweep, extra)
     trials = _study(sweep, extra).trials
     assert result.counts["complete"] == 4 and sorted(_slots(_study(sweep, extra))) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for point in (0, 1):  # both seeds of a point share its sampled params and its MLflow arm

@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,6 @@ from lab.sweep.spec import PRUNE_METRIC, Sweep, changing_results
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial prints its own line
 
 _RDB_SCHEMES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
-_FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
 
 def storage_url(cfg: DictConfig) -> str:
@@ -185,9 +184,14 @@ def top_up(s: Session, budget: int) -> int:
         return _top_up(s, budget)
 
 
+def _slots(s: Session) -> set[tuple[int, int]]:
+    """The (point, seed) slots the study holds, in any state."""
+    return {(t.user_attrs.get("point"), t.user_attrs.get("seed")) for t in s.trials()}
+
+
 def _top_up(s: Session, budget: int) -> int:
     sweep = s.sweep
-    have = {(t.user_attrs.get("point"), t.user_attrs.get("seed")) for t in s.trials()}
+    have = _slots(s)
     added = 0
     if sweep.is_grid:
         for point, params in enumerate(sweep.points()):
@@ -220,8 +224,8 @@ def _process_gone(worker: str) -> bool:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False
+    except PermissionError:  # alive, another user's
+        pass
     return False
 
 
@@ -280,8 +284,7 @@ def recover_stale(s: Session, observed: dict[int, tuple[Any, float]], log: Calla
 
 def _pop(s: Session) -> optuna.Trial | None:
     """Take a WAITING trial within the budget (atomically WAITING -> RUNNING), or None."""
-    budget = s.user_attr("budget", 0)
-    last_point = len(s.sweep.points()) if s.sweep.is_grid else budget // len(s.sweep.seeds)
+    last_point = s.user_attr("budget", 0) // len(s.sweep.seeds)  # a grid's budget is points x seeds
     for ft in s.trials((TrialState.WAITING,)):
         if ft.user_attrs.get("point", 0) >= last_point:
             continue  # the budget was lowered: this slot is no longer asked for
@@ -298,29 +301,26 @@ def _retried(trials: list[optuna.trial.FrozenTrial]) -> set[int]:
     return {n for t in trials for n in t.system_attrs.get("retry_history", [])}
 
 
+_STATE_KEYS = {
+    TrialState.COMPLETE: "complete",
+    TrialState.PRUNED: "pruned",
+    TrialState.FAIL: "failed",
+    TrialState.RUNNING: "running",
+    TrialState.WAITING: "waiting",
+}
+
+
 def counts(s: Session) -> dict[str, int]:
-    """Trials by state; `retried` failures are not counted as failed (their retry is)."""
+    """Trials by state, and `finished` (complete + pruned + failed); a failure that was retried is not
+    counted (its retry is)."""
     trials = s.trials()
     retried = _retried(trials)
     out = {"complete": 0, "pruned": 0, "failed": 0, "running": 0, "waiting": 0}
     for t in trials:
-        if t.state == TrialState.FAIL and t.number in retried:
-            continue
-        key = {
-            TrialState.COMPLETE: "complete",
-            TrialState.PRUNED: "pruned",
-            TrialState.FAIL: "failed",
-            TrialState.RUNNING: "running",
-            TrialState.WAITING: "waiting",
-        }[t.state]
-        out[key] += 1
+        if not (t.state == TrialState.FAIL and t.number in retried):
+            out[_STATE_KEYS[t.state]] += 1
+    out["finished"] = out["complete"] + out["pruned"] + out["failed"]
     return out
-
-
-@dataclass
-class WorkerStats:
-    ran: list[int] = field(default_factory=list)
-    reused: list[int] = field(default_factory=list)
 
 
 def work(
@@ -328,9 +328,8 @@ def work(
     threads: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
-) -> WorkerStats:
+) -> None:
     """Run WAITING trials until none is left and no other worker runs one (a dead worker's is retried)."""
-    stats = WorkerStats()
     worker = f"{_this_host()}:{os.getpid()}"
     observed: dict[int, tuple[Any, float]] = {}
     started, waiting_said = time.time(), False
@@ -339,16 +338,14 @@ def work(
         trial = _pop(s)
         if trial is not None:
             waiting_said = False
-            reused = _run_trial(s, trial, worker, threads, progress, log)
-            (stats.reused if reused else stats.ran).append(trial.number)
+            _run_trial(s, trial, worker, threads, progress, log)
             c = counts(s)
-            done = c["complete"] + c["pruned"] + c["failed"]
             minutes = (time.time() - started) / 60
-            log(f"[{done}/{s.user_attr('budget')} finished, {c['running']} running, {minutes:.1f} min]")
+            log(f"[{c['finished']}/{s.user_attr('budget')} finished, {c['running']} running, {minutes:.1f} min]")
             continue
         running = s.trials((TrialState.RUNNING,))
         if not running:
-            return stats
+            return
         if not waiting_said:
             numbers = ", ".join(str(t.number) for t in running)
             grace = s.sweep.grace_s
@@ -358,7 +355,7 @@ def work(
 
 
 def _enqueue_other_seeds(s: Session, point: int, params: dict[str, Any]) -> None:
-    have = {(t.user_attrs.get("point"), t.user_attrs.get("seed")) for t in s.trials()}
+    have = _slots(s)
     for seed in s.sweep.seeds[1:]:
         if (point, seed) not in have:
             s.study.enqueue_trial(params, user_attrs={"point": point, "seed": seed})
@@ -390,8 +387,8 @@ def _values_of_run(s: Session, run: Any) -> list[float]:
 
 def _run_trial(
     s: Session, trial: optuna.Trial, worker: str, threads: int | None, progress: bool, log: Callable[[str], None]
-) -> bool:
-    """One trial: compose, run (or reuse a finished run), tell Optuna. Returns True if a run was reused."""
+) -> None:
+    """One trial: compose, run (or reuse a finished run), tell Optuna."""
     sweep = s.sweep
     point, seed = int(trial.user_attrs["point"]), int(trial.user_attrs["seed"])
     params = {p.name: p.suggest(trial) for p in sweep.space}
@@ -414,7 +411,7 @@ def _run_trial(
             trial.set_user_attr("reused", True)
             s.study.tell(trial, values)
             log(f"{name}: already finished as MLflow run {done.info.run_id[:8]}: {_fmt(sweep, values)}")
-            return True
+            return
 
     def on_start(run_id: str) -> None:
         trial.set_user_attr("mlflow_run_id", run_id)
@@ -437,7 +434,7 @@ def _run_trial(
             s.study.tell(trial, state=TrialState.PRUNED)
             _tag_run(s, trial, "PRUNED")
             log(f"{name}: {stop}")
-            return False
+            return
         except KeyboardInterrupt:
             trial.set_user_attr("error", "interrupted")
             s.study.tell(trial, state=TrialState.FAIL)
@@ -447,7 +444,7 @@ def _run_trial(
             trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
             s.study.tell(trial, state=TrialState.FAIL)
             log(f"{name}: FAILED: {type(exc).__name__}: {exc}")
-            return False
+            return
     try:
         values = [o.value(result.metrics) for o in sweep.objectives]
     except KeyError as exc:
@@ -455,7 +452,7 @@ def _run_trial(
         s.study.tell(trial, state=TrialState.FAIL)
         _tag_run(s, trial, "FAIL")
         log(f"{name}: FAILED: the run did not log the objective {exc}")
-        return False
+        return
     m = result.metrics
     trial.set_user_attr("seconds", time.time() - started)
     trial.set_user_attr("cache_s", float(m.get("cache/seconds", 0.0)))
@@ -465,7 +462,6 @@ def _run_trial(
     s.study.tell(trial, values)
     _tag_run(s, trial, "COMPLETE")
     log(f"{name}: {_fmt(sweep, values)} in {time.time() - started:.0f} s")
-    return False
 
 
 def _tag_run(s: Session, trial: optuna.Trial, state: str) -> None:
@@ -493,27 +489,22 @@ class SweepResult:
     summary: str
 
 
-def _first_config(sweep: Sweep, extra: list[str]) -> DictConfig:
-    params = {p.name: p.probes()[0] for p in sweep.space}
-    return compose(sweep.trial_overrides(params, sweep.seeds[0], extra))
-
-
 def join(
     sweep: Sweep,
     extra: list[str],
     threads: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
-) -> WorkerStats:
+) -> None:
     """`lab sweep worker`: work on a study another process started, from this or another machine."""
-    cfg = _first_config(sweep, extra)
+    cfg = compose(sweep.trial_overrides(sweep.base_point(), sweep.seeds[0], extra))
     index = int(os.environ.get("LAB_WORKER_INDEX", os.getpid()))
     s = open_session(sweep, extra, cfg, create=False, worker_index=index)
     s.parent_run_id = s.user_attr("mlflow_parent_run_id", "")
     if not s.parent_run_id:
         raise ConfigError("sweep", f"study '{s.study.study_name}' has no MLflow parent run; start it with `lab sweep`")
     log(f"worker {_this_host()}:{os.getpid()} joined study {s.study.study_name} in {redact(s.storage_url)}")
-    return work(s, threads, progress, log)
+    work(s, threads, progress, log)
 
 
 def launch(
@@ -555,13 +546,13 @@ def launch(
         join_cmd = " ".join(["lab", *worker_args, *extra])
         log(
             f"sweep {sweep.name}: study {name} in {redact(s.storage_url)}\n"
-            f"  budget {budget} trials: {c['complete'] + c['pruned'] + c['failed']} finished, {c['waiting']} to run "
+            f"  budget {budget} trials: {c['finished']} finished, {c['waiting']} to run "
             f"({added} newly queued), {c['running']} running elsewhere; {workers} worker(s) here\n"
             f"  MLflow: experiment {sweep.experiment}, parent run {parent.id} (browse with `lab ui`)\n"
             f"  watch:  {dashboard_command(s.storage_url)}\n"
             f"  join from another process or machine (same storage and store): {join_cmd}"
         )
-        finished_before = c["complete"] + c["pruned"] + c["failed"]
+        finished_before = c["finished"]
         helpers = min(workers, c["waiting"]) - 1  # no more workers than queued trials
         procs = [_spawn(worker_args, extra, threads, i, log) for i in range(1, helpers + 1)]
         try:
@@ -580,13 +571,13 @@ def launch(
                     proc.kill()
                 reader.join(timeout=5)
         c = counts(s)
-        ran = c["complete"] + c["pruned"] + c["failed"] - finished_before
+        ran = c["finished"] - finished_before
         seconds = time.time() - started
         text, metrics = summary(s, seconds, workers)
         parent.log_metrics(metrics)
         parent.log_dict({"trials": _trial_records(s)}, "sweep/trials.json")
         track.log_text(t.uri, parent.id, text, "sweep/summary.md")
-    return SweepResult(name, redact(s.storage_url), parent.id, budget, counts(s), ran, seconds, text)
+    return SweepResult(name, redact(s.storage_url), parent.id, budget, c, ran, seconds, text)
 
 
 class _Reader(threading.Thread):

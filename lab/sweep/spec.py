@@ -155,6 +155,10 @@ class Sweep:
         label = self.label(params)
         return [*self.overrides, *point, *extra, f"study={self.experiment}", f"arm='{label}'", f"seed={seed}"]
 
+    def base_point(self) -> dict[str, Any]:
+        """The first value of every parameter (a grid's first point)."""
+        return {p.name: p.probes()[0] for p in self.space}
+
     def key(self, extra: list[str]) -> str:
         """Identity of the study: the spec without its budget, and the user's overrides that change results."""
         spec = asdict(self)
@@ -173,7 +177,7 @@ class Sweep:
             key = o.split("=", 1)[0].lstrip("+~")
             if key in swept:
                 raise ConfigError(key, f"swept by {self.source}; drop the override or the parameter")
-        base = {p.name: p.probes()[0] for p in self.space}
+        base = self.base_point()
         probes = (
             self.points()
             if self.is_grid
