@@ -93,30 +93,69 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(exp, extra: list[str], parent_run_id: str, out: str | None, seeds_arg: str | None):
+    """Write the experiment's report for the study under `parent_run_id`."""
+    from pathlib import Path
+
+    from lab import report
+
+    uri = compose([*exp.overrides, *extra]).tracking.uri
+    study = report.load(
+        uri, parent_run_id, exp.name, exp.description, [(a.name, a.label) for a in exp.arms], exp.baseline, exp.seeds
+    )
+    command = " ".join(
+        ["lab report", f"experiment={exp.name}", *([f"--seeds {seeds_arg}"] if seeds_arg else []), *extra]
+    )
+    return report.write(study, exp.figures, Path(out or Path("reports") / exp.name), command)
+
+
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from lab.report.tables import write_summary
     from lab.sweep import engine, experiment
 
     worker, overrides = _worker_mode(args.overrides)
     name, extra = _named(overrides, "experiment", "lab ablate experiment=drift_2x2", experiment.available())
-    exp = experiment.load(name)
+    exp = experiment.load(name, seeds_arg=args.seeds)
     sweep = exp.as_sweep(extra)
     if worker:
         engine.join(sweep, extra, progress=not args.no_progress)
         return 0
-    worker_args = ["ablate", "worker", f"experiment={name}"]
+    worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
     result = engine.launch(sweep, extra, worker_args, workers=args.workers, progress=not args.no_progress)
-    uri = compose([*exp.overrides, *extra]).tracking.uri
-    arms = [(a.name, a.label) for a in exp.arms]
-    path, table = write_summary(uri, result.parent_run_id, exp.name, exp.description, arms, exp.baseline)
-    print(f"\n{table}\n")
+    rep = _report(exp, extra, result.parent_run_id, None, args.seeds)
+    print(f"\n{rep.main_table()}")
     c = result.counts
     print(
         f"ablation {exp.name}: {c['complete']} of {result.budget} runs finished ({result.ran} in this invocation, "
-        f"{result.seconds / 60:.1f} min), {c['failed']} failed; parent run {result.parent_run_id}; "
-        f"tables in {path}; browse with `lab ui`"
+        f"{result.seconds / 60:.1f} min), {c['failed']} failed; parent run {result.parent_run_id}\n"
+        f"report: {rep.path} ({len(rep.tables)} tables, {len(rep.figures)} figures); browse with `lab ui`"
     )
     return 1 if c["failed"] else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from lab import report
+    from lab.sweep import experiment
+
+    name, extra = _named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
+    exp = experiment.load(name, seeds_arg=args.seeds)
+    parent = args.run
+    if parent is None:
+        sweep = exp.as_sweep(extra)
+        uri = compose([*exp.overrides, *extra]).tracking.uri
+        parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    try:
+        rep = _report(exp, extra, parent, args.out, args.seeds)
+    except ValueError as exc:
+        return _fail(f"--run: {exc}")
+    print(rep.main_table())
+    for t in rep.tables:
+        print(f"table  {rep.folder / 'tables' / t.name}.{{md,tex,csv}}")
+    for f in rep.figures:
+        print(f"figure {f.files[0].with_suffix('')}.{{png,pdf}}")
+    print(f"report: {rep.path} (parent run {parent}; also its `report/` artifacts in `lab ui`)")
+    return 0
 
 
 def cmd_target_build(overrides: list[str]) -> int:
@@ -246,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     abl.add_argument("overrides", nargs="*", help="[worker] experiment=NAME, then Hydra overrides for every arm")
+    abl.add_argument("--seeds", help="the seeds to run, e.g. 0,1 (default: the experiment's)")
     sweep = sub.add_parser(
         "sweep",
         help="an Optuna study over sweeps/NAME.yaml: every trial a child MLflow run (resumable, parallel)",
@@ -284,6 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--verifier", help="the target's path for the speculators format (default: the run's)")
     export.add_argument("--k", type=int, default=3, help="speculative tokens named in the speculators config")
     export.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
+    rep = sub.add_parser(
+        "report",
+        help="tables and figures of an experiment's study, from MLflow alone, into reports/NAME/",
+        description="Regenerate the report of `lab ablate experiment=NAME` from MLflow alone (nothing is rerun, "
+        "no cache is read): tables as Markdown, LaTeX and CSV (AL per arm x suite x k as mean +- std over seeds "
+        "with the change against the baseline arm, per-position acceptance, drift), figures as PNG and PDF, and "
+        "report.md with the provenance. The study is the one the same overrides ran (else the newest, said so).",
+        epilog="examples:\n  lab report experiment=drift_2x2\n"
+        "  lab report experiment=drift_2x2 profile=quick\n  lab report experiment=drift_2x2 --run PARENT_RUN_ID",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    rep.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
+    rep.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
+    rep.add_argument("--out", help="output folder (default: reports/NAME)")
+    rep.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
     doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
     doctor.add_argument("overrides", nargs="*")
     ui = sub.add_parser("ui", help="the MLflow UI over the configured store (127.0.0.1 unless --host)")
@@ -305,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": lambda: cmd_run(args.overrides),
         "ablate": lambda: cmd_ablate(args),
         "sweep": lambda: cmd_sweep(args),
+        "report": lambda: cmd_report(args),
         "target": lambda: cmd_target_build(args.overrides),
         "export": lambda: cmd_export(args),
         "doctor": lambda: cmd_doctor(args.overrides),

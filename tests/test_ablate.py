@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lab import track
+from lab import report, track
 from lab.config import ConfigError, compose
-from lab.report.tables import write_summary
 from lab.sweep import experiment
 from lab.sweep.engine import launch
 
@@ -62,9 +61,13 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_pa
         ("e31", "1"),
     ]
     assert all(r.data.tags["study"] == "tiny" and "eval/in_dist/ref/k3/al" in r.data.metrics for r in children)
-    path, table = write_summary(uri, first.parent_run_id, "tiny", "", [("e3", "E3"), ("e31", "E31")], "e3", tmp_path)
-    assert path.read_text().count("| E31 |") == 3  # the AL row, the drift row (suite in_dist), the rollout row
-    assert "| E3 | 2 |" in table and ("(+" in table or "(-" in table)  # n = 2 seeds; change vs the baseline
+    study = report.load(uri, first.parent_run_id, "tiny", "", [("e3", "E3"), ("e31", "E31")], "e3", exp.seeds)
+    rep = report.write(study, [], tmp_path / "report", "lab report experiment=tiny")
+    table = rep.main_table()
+    assert table.count("| E31 | 2 |") == 1 and "| E3 | 2 |" in table  # n = 2 seeds per arm
+    assert "(+" in table or "(-" in table  # the change against the baseline
+    assert [t.name for t in rep.tables] == ["al", "acceptance", "drift"]
+    assert {f.name for f in rep.figures} >= {"al_vs_depth", "accept_rate", "sink_self_mass", "norm_growth"}
     again = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
     assert again.parent_run_id == first.parent_run_id
     assert again.ran == 0 and again.counts["complete"] == 4

@@ -1,1 +1,119 @@
-"""Tables and figures from MLflow alone."""
+"""Reports from MLflow alone: `reports/NAME/` with the tables (Markdown, LaTeX, CSV), the figures (PNG,
+PDF) and `report.md` assembling them with the study's provenance. Nothing is rerun, no cache is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lab import track
+from lab.config import ConfigError
+from lab.report import figures as fig_mod
+from lab.report import tables as tab_mod
+from lab.report.study import Study, load
+
+__all__ = ["Report", "Study", "find_parent", "load", "write"]
+
+
+@dataclass
+class Report:
+    folder: Path
+    tables: list[tab_mod.Table]
+    figures: list[fig_mod.Figure]
+
+    @property
+    def path(self) -> Path:
+        return self.folder / "report.md"
+
+    def main_table(self) -> str:
+        return tab_mod.markdown(self.tables[0]) if self.tables else "(no finished runs)\n"
+
+
+def find_parent(uri: str, experiment: str, name: str, study_key: str) -> tuple[str, str]:
+    """The parent run of study `study_key` (the same overrides), else the newest study of `name`, with a
+    line saying which was taken. ConfigError when the store holds no study of `name`."""
+    parents = track.study_parents(uri, experiment, name)
+    exact = [p for p in parents if p.data.tags.get("lab.study_key") == study_key]
+    if exact:
+        return exact[0].info.run_id, ""
+    if not parents:
+        raise ConfigError("experiment", f"no study of '{name}' in {uri}; run `lab ablate experiment={name}` first")
+    chosen = parents[0]
+    others = len(parents) - 1
+    note = (
+        f"no study of {name} with exactly these overrides; reporting the newest one, "
+        f"{chosen.data.tags.get('optuna_study', chosen.info.run_id)} (parent run {chosen.info.run_id})"
+        + (f"; {others} older one(s): pass --run PARENT_RUN_ID to pick" if others else "")
+    )
+    return chosen.info.run_id, note
+
+
+def _provenance(study: Study, command: str) -> list[str]:
+    runs = study.runs + study.left_out
+    commits = sorted({r.data.tags.get("git_commit", "unknown") for r in study.runs})
+    hashes = sorted({r.data.tags.get("config_hash", "?") for r in study.runs})
+    val = sorted(
+        {f"{r.data.metrics['target/val_loss']:.3f}" for r in study.runs if "target/val_loss" in r.data.metrics}
+    )
+    target = study.param("target.name") or "?"
+    target_build = sorted({r.data.tags.get("target", "") for r in study.runs} - {""})
+    p = study.parent
+    return [
+        f"- Regenerate: `{command}` (reads MLflow only).",
+        f"- MLflow store `{study.uri}`, experiment `{study.name}`, parent run `{p.info.run_id}`"
+        f" (study `{p.data.tags.get('optuna_study', '?')}`); {len(study.runs)} finished runs used of {len(runs)}.",
+        f"- Code: git commit {', '.join(f'`{c}`' for c in commits) or '?'}.",
+        f"- Target: `{target}` ({', '.join(f'`{t}`' for t in target_build) or 'no build tag'}; "
+        f"validation loss {', '.join(val) or '?'}).",
+        f"- Config hashes: {len(hashes)} distinct over {len(study.runs)} runs (one per arm and seed; listed below).",
+        f"- Suites {', '.join(study.suites)}; k in {study.ks}; seeds {study.seeds}; backend `{study.backend}`"
+        f" ({', '.join(study.backends)} ran).",
+    ]
+
+
+def _run_table(study: Study) -> list[str]:
+    lines = ["| arm | seed | run id | state | config hash | git commit |", "|---|---|---|---|---|---|"]
+    for r in study.runs + sorted(study.left_out, key=lambda r: r.info.run_id):
+        t = r.data.tags
+        state = t.get("trial_state") or r.info.status
+        lines.append(
+            f"| {t.get('arm', '?')} | {t.get('seed', '?')} | `{r.info.run_id}` | {state} | "
+            f"`{t.get('config_hash', '?')}` | `{t.get('git_commit', '?')[:12]}` |"
+        )
+    return lines
+
+
+def write(study: Study, figure_names: list[str], folder: Path, command: str, log_to_parent: bool = True) -> Report:
+    """Write the study's report into `folder` (and onto its parent run as the `report/` artifacts)."""
+    unknown = [n for n in figure_names if n not in fig_mod.FIGURES]
+    if unknown:
+        raise ConfigError(
+            f"experiments/{study.name}.yaml: figures",
+            f"unknown figure '{unknown[0]}'; available: {', '.join(fig_mod.FIGURES)}",
+        )
+    tables = tab_mod.build(study)
+    (folder / "tables").mkdir(parents=True, exist_ok=True)
+    for t in tables:
+        (folder / "tables" / f"{t.name}.md").write_text(tab_mod.markdown(t))
+        (folder / "tables" / f"{t.name}.tex").write_text(tab_mod.latex(t))
+        (folder / "tables" / f"{t.name}.csv").write_text(tab_mod.to_csv(t))
+    figures = fig_mod.draw(study, figure_names, folder / "figures")
+    lines = [f"# {study.name}: {study.description}".rstrip(": "), "", "## Provenance", "", *_provenance(study, command)]
+    lines += ["", "## Tables", ""]
+    if not tables:
+        lines.append("(no finished runs yet)")
+    for t in tables:
+        lines += [
+            tab_mod.markdown(t),
+            f"LaTeX: [tables/{t.name}.tex](tables/{t.name}.tex), CSV: [tables/{t.name}.csv](tables/{t.name}.csv)",
+            "",
+        ]
+    lines += ["## Figures", ""]
+    for f in figures:
+        lines += [f"![{f.name}](figures/{f.name}.png)", "", f"*{f.caption}* ([PDF](figures/{f.name}.pdf))", ""]
+    lines += ["## Runs", "", *_run_table(study), ""]
+    report = Report(folder, tables, figures)
+    report.path.write_text("\n".join(lines))
+    if log_to_parent:
+        track.log_artifacts(study.uri, study.parent.info.run_id, folder, "report")
+    return report

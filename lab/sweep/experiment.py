@@ -59,8 +59,9 @@ def available() -> list[str]:
     return sorted(p.stem for p in EXPERIMENT_DIR.glob("*.yaml"))
 
 
-def load(name: str, folder: Path = EXPERIMENT_DIR) -> Experiment:
-    """Read and check `experiments/NAME.yaml`; raises ConfigError naming the key and what is expected."""
+def load(name: str, folder: Path = EXPERIMENT_DIR, seeds_arg: str | None = None) -> Experiment:
+    """Read and check `experiments/NAME.yaml`; raises ConfigError naming the key and what is expected.
+    `seeds_arg` ("0,1", from the command line) replaces the experiment's seeds."""
     path = folder / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError("experiment", f"unknown experiment '{name}'; available: {', '.join(available())}")
@@ -81,6 +82,13 @@ def load(name: str, folder: Path = EXPERIMENT_DIR) -> Experiment:
             raise ConfigError(f"{where}: arms.{arm_name}", "expected {label: ..., overrides: [key=value, ...]}")
         arms.append(Arm(str(arm_name), str(arm.get("label", arm_name)), [str(o) for o in arm.get("overrides", [])]))
     seeds = spec.get("seeds", [0, 1, 2])
+    if seeds_arg is not None:
+        try:
+            seeds = [int(s) for s in seeds_arg.split(",")]
+        except ValueError:
+            raise ConfigError(
+                "--seeds", f"expected integers separated by commas, e.g. 0,1; got '{seeds_arg}'"
+            ) from None
     if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"{where}: seeds", f"expected a non-empty list of integers, got {seeds}")
     baseline = str(spec.get("baseline", arms[0].name))

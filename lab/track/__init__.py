@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,27 @@ def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[
     return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
 
 
+def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
+    """Parent runs of the studies of sweep or experiment `sweep` in MLflow experiment `experiment`,
+    newest first (one per set of result-changing overrides)."""
+    configure(uri)
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    query = f"tags.`lab.role` = 'parent' and tags.sweep = '{sweep}'"
+    return client.search_runs([exp.experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
+
+
+def get_run(uri: str, run_id: str) -> Any:
+    """A run by id; ValueError naming the id when the store has no such run."""
+    configure(uri)
+    try:
+        return MlflowClient().get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise ValueError(f"run '{run_id}': not found in {uri}") from None
+
+
 def set_run_tags(uri: str, run_id: str, tags: dict[str, Any]) -> None:
     """Tags on any run, active or ended."""
     configure(uri)
@@ -223,6 +245,12 @@ def log_text(uri: str, run_id: str, text: str, name: str) -> None:
     """A text artifact on any run, active or ended (e.g. a study's summary on its parent run)."""
     configure(uri)
     MlflowClient().log_text(run_id, text, name)
+
+
+def log_artifacts(uri: str, run_id: str, folder: str | Path, artifact_path: str) -> None:
+    """A folder's files as artifacts of any run, active or ended (e.g. a study's report on its parent)."""
+    configure(uri)
+    MlflowClient().log_artifacts(run_id, str(folder), artifact_path)
 
 
 def run_checkpoint(uri: str, run_id: str, dst: str | Path) -> tuple[Path, dict[str, str]]:
@@ -257,8 +285,11 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]
 
 
 def ui_command(uri: str, artifact_root: str, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
-    """The `mlflow ui` command line over the configured store (bound to loopback by default)."""
-    cmd = ["mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    """The `mlflow ui` command line over the configured store (bound to loopback by default).
+
+    Run as `python -m mlflow` with this interpreter: the venv's `mlflow` script is not on PATH when
+    `.venv/bin/lab ui` is called without activating the venv."""
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
     if "://" not in artifact_root:
         cmd += ["--default-artifact-root", Path(artifact_root).resolve().as_uri()]
     return cmd

@@ -1,0 +1,287 @@
+"""Paper-style figures of a study, as PNG (300 dpi) and PDF at print width, in one colour-blind-safe
+style (Okabe-Ito colours, and a marker and line style per arm so they also read in grey). Every curve is
+the mean over seeds with a band of +- one standard deviation where there is more than one seed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a window
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lab.report.study import Arm, Study  # noqa: E402
+
+# Okabe & Ito (2008): distinguishable with every common colour-vision deficiency
+PALETTE = ["#000000", "#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#F0E442"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+LINESTYLES = ["-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 2)), (0, (8, 2))]
+WIDTH_IN = 6.75  # a two-column paper's text width
+PANEL_HEIGHT_IN = 2.1
+STYLE = {
+    "font.family": "DejaVu Sans",
+    "font.size": 8,
+    "axes.titlesize": 8,
+    "axes.labelsize": 8,
+    "legend.fontsize": 7,
+    "xtick.labelsize": 7,
+    "ytick.labelsize": 7,
+    "lines.linewidth": 1.2,
+    "lines.markersize": 3.5,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "grid.linewidth": 0.5,
+    "pdf.fonttype": 42,  # editable text in the PDF
+}
+
+
+@dataclass
+class Figure:
+    name: str
+    caption: str
+    files: list[Path]
+
+
+def _look(i: int) -> dict:
+    return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[i % 8]}
+
+
+def _band(ax, x: list[float], curves: list[list[float]], i: int, label: str) -> None:
+    """Mean over seeds as a line, +- std as a band (curves cut to their common length)."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return
+    n = min(len(c) for c in curves)
+    data = np.array([c[:n] for c in curves], dtype=float)
+    mean = data.mean(axis=0)
+    look = _look(i)
+    ax.plot(x[:n], mean, label=f"{label} (n={len(curves)})", **look)
+    if len(curves) > 1:
+        std = data.std(axis=0, ddof=1)
+        ax.fill_between(x[:n], mean - std, mean + std, color=look["color"], alpha=0.15, linewidth=0)
+
+
+def _bars(ax, groups: list[str], study: Study, value: Callable[[Arm, str], list[float]]) -> None:
+    """Grouped bars: one group per x label, one bar per arm, error bar = std over seeds."""
+    width = 0.8 / max(1, len(study.arms))
+    for i, arm in enumerate(study.arms):
+        means, stds = [], []
+        for g in groups:
+            v = value(arm, g)
+            means.append(np.mean(v) if v else np.nan)
+            stds.append(np.std(v, ddof=1) if len(v) > 1 else 0.0)
+        xs = np.arange(len(groups)) + (i - (len(study.arms) - 1) / 2) * width
+        look = _look(i)
+        ax.bar(xs, means, width, yerr=stds, label=arm.label, color=look["color"], capsize=1.5, error_kw={"lw": 0.6})
+    ax.set_xticks(
+        np.arange(len(groups)),
+        groups,
+        rotation=30 if len(groups) > 4 else 0,
+        ha="right" if len(groups) > 4 else "center",
+    )
+
+
+def _panels(n: int, rows: int = 1) -> tuple:
+    fig, axes = plt.subplots(rows, n, figsize=(WIDTH_IN, PANEL_HEIGHT_IN * rows + 0.5), squeeze=False)
+    return fig, axes
+
+
+def _legend(fig, axes) -> None:
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), frameon=False)
+    fig.tight_layout(rect=(0, 0.1 if len(labels) <= 4 else 0.16, 1, 1))
+
+
+def al_vs_depth(study: Study) -> tuple[plt.Figure, str]:
+    k, b = study.ks[-1], study.backend
+    fig, axes = _panels(len(study.suites))
+    for ax, s in zip(axes[0], study.suites, strict=True):
+        for i, arm in enumerate(study.arms):
+            implied = [list(1 + np.cumsum(c)) for c in study.curves(arm, f"eval/{s}/{b}/k{k}/accept_rate")]
+            _band(ax, list(range(1, k + 1)), implied, i, arm.label)
+            for kk in study.ks:
+                v = study.scalars(arm, f"eval/{s}/{b}/k{kk}/al")
+                if v:
+                    ax.errorbar(
+                        kk,
+                        np.mean(v),
+                        yerr=np.std(v, ddof=1) if len(v) > 1 else 0,
+                        fmt="none",
+                        ecolor=_look(i)["color"],
+                        capsize=2,
+                        lw=0.8,
+                    )
+        ax.set_title(s)
+        ax.set_xlabel("drafting depth")
+    axes[0][0].set_ylabel("acceptance length")
+    _legend(fig, axes)
+    caption = (
+        f"AL vs drafting depth. Lines: 1 + the cumulative per-position acceptance at k={k} (the AL a chain cut "
+        f"at that depth accepts); error bars: the AL measured at k in {study.ks}."
+    )
+    return fig, caption
+
+
+def accept_rate(study: Study) -> tuple[plt.Figure, str]:
+    k, b = study.ks[-1], study.backend
+    fig, axes = _panels(len(study.suites))
+    for ax, s in zip(axes[0], study.suites, strict=True):
+        for i, arm in enumerate(study.arms):
+            _band(ax, list(range(1, k + 1)), study.curves(arm, f"eval/{s}/{b}/k{k}/accept_rate"), i, arm.label)
+        ax.set_title(s)
+        ax.set_xlabel("draft position")
+        ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel("acceptance rate")
+    _legend(fig, axes)
+    return fig, f"Per-position acceptance at k={k}: drafts accepted at position i / drafts."
+
+
+def sink_self_mass(study: Study) -> tuple[plt.Figure, str]:
+    k = study.ks[-1]
+    fig, axes = _panels(len(study.suites), rows=2)
+    for col, s in enumerate(study.suites):
+        for row, (metric, name) in enumerate([("sink_mass", "sink mass"), ("self_mass", "self mass")]):
+            ax = axes[row][col]
+            for i, arm in enumerate(study.arms):
+                _band(ax, list(range(1, k + 1)), study.curves(arm, f"drift/{s}/k{k}/{metric}"), i, arm.label)
+            ax.set_title(s if row == 0 else "")
+            ax.set_xlabel("drafting step" if row == 1 else "")
+            if col == 0:
+                ax.set_ylabel(name)
+    _legend(fig, axes)
+    caption = (
+        f"Attention drift (k={k}): the drafter's attention mass on the prompt's sink token (top) and on its "
+        "own drafted tokens (bottom) at each drafting step."
+    )
+    return fig, caption
+
+
+def norm_growth(study: Study) -> tuple[plt.Figure, str]:
+    k = study.ks[-1]
+    fig, axes = _panels(len(study.suites))
+    for ax, s in zip(axes[0], study.suites, strict=True):
+        for i, arm in enumerate(study.arms):
+            _band(ax, list(range(1, k + 1)), study.curves(arm, f"drift/{s}/k{k}/norm_growth"), i, arm.label)
+        ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
+        ax.set_title(s)
+        ax.set_xlabel("drafting step")
+    axes[0][0].set_ylabel("norm growth")
+    _legend(fig, axes)
+    return fig, f"Norm of the fed-back state at each drafting step relative to step 1 (k={k})."
+
+
+def _length(variant: str) -> int:
+    return int(re.sub(r"\D", "", variant) or 0)
+
+
+def al_vs_context(study: Study) -> tuple[plt.Figure, str] | None:
+    s, b = "long_context", study.backend
+    variants = sorted(study.variants(s), key=_length)
+    if s not in study.suites or not variants:
+        return None
+    fig, axes = _panels(len(study.ks))
+    x = [_length(v) for v in variants]
+    for ax, k in zip(axes[0], study.ks, strict=True):
+        for i, arm in enumerate(study.arms):
+            per_seed = [[r.data.metrics.get(f"eval/{s}.{v}/{b}/k{k}/al", np.nan) for v in variants] for r in arm.runs]
+            _band(ax, x, per_seed, i, arm.label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.minorticks_off()
+        ax.set_title(f"k={k}")
+        ax.set_xlabel("prompt length (tokens)")
+    axes[0][0].set_ylabel("acceptance length")
+    _legend(fig, axes)
+    return fig, "AL vs context length (the long_context suite's prompt lengths)."
+
+
+def al_per_template(study: Study) -> tuple[plt.Figure, str] | None:
+    s, b = "template", study.backend
+    variants = study.variants(s)
+    if s not in study.suites or not variants:
+        return None
+    trained = study.param("data.template")
+    groups = [f"{trained} (trained)", *variants] if "in_dist" in study.suites else variants
+    fig, axes = _panels(len(study.ks))
+
+    for ax, k in zip(axes[0], study.ks, strict=True):
+
+        def value(arm: Arm, group: str, k: int = k) -> list[float]:
+            suite = "in_dist" if group.endswith("(trained)") else f"{s}.{group}"
+            return study.scalars(arm, f"eval/{suite}/{b}/k{k}/al")
+
+        _bars(ax, groups, study, value)
+        ax.set_title(f"k={k}")
+    axes[0][0].set_ylabel("acceptance length")
+    _legend(fig, axes)
+    return fig, "AL per chat template: the drafter trained on one template; the target knows them all."
+
+
+def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
+    pattern = re.compile(r"^eval/([^/.]+)/vllm/k(\d+)/c(\d+)/speedup$")
+    found = sorted({m.groups() for r in study.runs for key in r.data.metrics if (m := pattern.match(key))})
+    if not found:
+        return None
+    suite = found[0][0]
+    ks = sorted({int(k) for s, k, _ in found if s == suite})
+    cs = sorted({int(c) for s, _, c in found if s == suite})
+    fig, axes = _panels(len(ks))
+    for ax, k in zip(axes[0], ks, strict=True):
+
+        def value(arm: Arm, group: str, k: int = k) -> list[float]:
+            return study.scalars(arm, f"eval/{suite}/vllm/k{k}/c{group[2:]}/speedup")
+
+        _bars(ax, [f"C={c}" for c in cs], study, value)
+        ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
+        ax.set_title(f"k={k}")
+        ax.set_xlabel("concurrency")
+    axes[0][0].set_ylabel("speedup over the target alone")
+    _legend(fig, axes)
+    return fig, f"vLLM throughput with speculation over without, same process and load ({suite})."
+
+
+FIGURES: dict[str, Callable[[Study], tuple[plt.Figure, str] | None]] = {
+    "al_vs_depth": al_vs_depth,
+    "accept_rate": accept_rate,
+    "sink_self_mass": sink_self_mass,
+    "norm_growth": norm_growth,
+    "al_vs_context": al_vs_context,
+    "al_per_template": al_per_template,
+    "vllm_speedup": vllm_speedup,
+}
+NEEDS_DRIFT = {"sink_self_mass", "norm_growth"}
+
+
+def draw(study: Study, names: list[str], folder: Path) -> list[Figure]:
+    """The named figures the study's metrics support (all of them when `names` is empty), saved as
+    `folder/NAME.png` and `folder/NAME.pdf`. vLLM's speedup is added wherever it was measured."""
+    wanted = list(names or FIGURES)
+    if "vllm_speedup" not in wanted:
+        wanted.append("vllm_speedup")
+    drift = study.has(f"drift/{study.suites[0]}/k{study.ks[-1]}/sink_mass") if study.runs else False
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    with plt.rc_context(STYLE):
+        for name in wanted:
+            if not study.runs or (name in NEEDS_DRIFT and not drift):
+                continue
+            made = FIGURES[name](study)
+            if made is None:
+                continue
+            fig, caption = made
+            files = [folder / f"{name}.png", folder / f"{name}.pdf"]
+            fig.savefig(files[0], dpi=300, metadata={"Software": None})
+            fig.savefig(files[1], metadata={"CreationDate": None, "Producer": None, "Creator": None})
+            plt.close(fig)
+            out.append(Figure(name, caption, files))
+    return out
