@@ -38,7 +38,10 @@ def test_every_config_file_composes(group, name, fake_hf, tmp_path):
             (tmp_path / "p.jsonl").write_text('{"prompt": "def f():"}\n')
             overrides.append(f"suites.jsonl.path={tmp_path / 'p.jsonl'}")
     cfg = compose(overrides)
-    assert cfg["suites" if group == "suite" else group] is not None
+    if group == "profile":  # a `@package _global_` delta over the defaults
+        assert config_hash(cfg) != config_hash(compose([]))
+    else:
+        assert cfg["suites" if group == "suite" else group] is not None
     assert flatten(cfg)  # every value is representable as an MLflow param
 
 
