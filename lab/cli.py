@@ -19,6 +19,8 @@ EPILOG = """examples:
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
   lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick   # the same, in minutes
+  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2   # the demo's quick study
+  lab report experiment=drift_2x2           # its tables, figures and report.md again, from MLflow alone
   lab sweep sweep=toggles_grid --workers 2  # an Optuna study: every trial a child MLflow run, resumable
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
@@ -281,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.",
         epilog="experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
+        "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
         "  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -332,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
         "with the change against the baseline arm, per-position acceptance, drift), figures as PNG and PDF, and "
         "report.md with the provenance. The study is the one the same overrides ran (else the newest, said so).",
         epilog="examples:\n  lab report experiment=drift_2x2\n"
-        "  lab report experiment=drift_2x2 profile=quick\n  lab report experiment=drift_2x2 --run PARENT_RUN_ID",
+        "  lab report experiment=drift_2x2 profile=quick --seeds 0,1\n"
+        "  lab report experiment=drift_2x2 --run PARENT_RUN_ID",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rep.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
