@@ -284,6 +284,12 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]
     return client.search_runs([exp.experiment_id], filter_string=filter_string)
 
 
+def ui_environment() -> dict[str, str]:
+    """Environment for the UI server: without MLflow 3's job runner (GenAI scorers), which starts eight
+    worker processes that keep two cores busy while the workbench has no job for them."""
+    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def ui_command(uri: str, artifact_root: str, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
     """The `mlflow ui` command line over the configured store (bound to loopback by default).
 
