@@ -16,6 +16,7 @@ matplotlib.use("Agg")  # files only, never a window
 
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from lab.report.study import Arm, Study  # noqa: E402
 
@@ -92,6 +93,8 @@ def _bars(ax, groups: list[str], study: Study, value: Callable[[Arm, str], list[
 
 def _panels(n: int, rows: int = 1) -> tuple:
     fig, axes = plt.subplots(rows, n, figsize=(WIDTH_IN, PANEL_HEIGHT_IN * rows + 0.5), squeeze=False)
+    for ax in axes.flat:  # steps, positions and depths are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig, axes
 
 
