@@ -71,7 +71,8 @@ class Table:
                 cell = row.cells[j]
                 if cell.values:
                     score = {"high": -cell.mean, "low": cell.mean, "one": abs(cell.mean - 1.0)}[col.better]
-                    groups.setdefault(row.group, []).append((round(score, 9), i))
+                    # compared as printed: values that print the same tie
+                    groups.setdefault(row.group, []).append((round(score, self.digits), i))
             for scored in groups.values():
                 if len({s for s, _ in scored}) > 1:  # a column where all tie has no best
                     top = min(s for s, _ in scored)
