@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from lab import track
+from lab import report, track
 from lab.cli import main
+from lab.report.figures import FIGURES, draw
 from lab.report.tables import latex_escape
+from lab.sweep import experiment
 
 SUITES = ["in_dist", "template"]
 KS = [3, 8]
@@ -27,7 +29,8 @@ def _log_run(uri: str, art: str, parent: str, arm: str, seed: int, fail: str = "
     tags["target"] = "tiny_code-000000000000"
     params = {"eval.suites": json.dumps(SUITES), "eval.num_speculative_tokens": json.dumps(KS)}
     params |= {"eval.backends": json.dumps(["ref"]), "target.name": "tiny_code", "data.template": "chatml"}
-    metrics: dict[str, float | list[float]] = {"target/val_loss": 4.5}
+    metrics: dict[str, float | list[float]] = {"target/val_loss": 4.5, "drift/fc_share": [0.2, 0.3, 0.5]}
+    metrics["eval/in_dist/rollout/acc"] = [0.7 - 0.05 * i + ARMS[arm] / 10 for i in range(9)]
     for s in SUITES:
         for k in KS:
             metrics[f"eval/{s}/ref/k{k}/al"] = 2.0 + ARMS[arm] + 0.1 * seed + (0.5 if k == 8 else 0.0)
@@ -126,6 +129,20 @@ def test_report_errors_are_one_line(store, tmp_path, capsys):
     assert "no study of 'long_context'" in capsys.readouterr().err
     assert main(["report", "experiment=drift_2x2", "--run", "nope", *overrides]) == 2
     assert "--run: run 'nope': not found" in capsys.readouterr().err
+
+
+def test_rollout_and_fc_share_figures(store, tmp_path):
+    overrides, parent = store
+    uri = overrides[0].split("=", 1)[1]
+    study = report.load(uri, parent, "drift_2x2", "", [(a, a) for a in ARMS], "eagle3", [0, 1])
+    drawn = draw(study, ["rollout_acc", "fc_share"], tmp_path)
+    assert [f.name for f in drawn] == ["rollout_acc", "fc_share", "vllm_speedup"]
+    assert all(p.stat().st_size > 1000 for f in drawn for p in f.files)
+
+
+@pytest.mark.parametrize("name", experiment.available())
+def test_every_experiment_names_known_figures(name):
+    assert set(experiment.load(name).figures) <= set(FIGURES)
 
 
 def test_latex_escape():

@@ -253,6 +253,37 @@ def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
     return fig, f"vLLM throughput with speculation over without, same process and load ({suite})."
 
 
+def rollout_acc(study: Study) -> tuple[plt.Figure, str] | None:
+    key = "eval/in_dist/rollout/acc"
+    if not study.has(key):
+        return None
+    fig, axes = _panels(1)
+    ax = axes[0][0]
+    for i, arm in enumerate(study.arms):
+        curves = study.curves(arm, key)
+        _band(ax, list(range(1, max((len(c) for c in curves), default=0) + 1)), curves, i, arm.label)
+    ax.set_xlabel("rollout depth")
+    ax.set_ylabel("accuracy")
+    _legend(fig, axes)
+    return fig, "Teacher-forced rollout accuracy per depth on held-out conversations (own states fed back)."
+
+
+def fc_share(study: Study) -> tuple[plt.Figure, str] | None:
+    key = "drift/fc_share"
+    if not study.has(key):
+        return None
+    layers = max(len(c) for arm in study.arms for c in study.curves(arm, key))
+    fig, axes = _panels(1)
+
+    def value(arm: Arm, group: str) -> list[float]:
+        return [c[int(group.split()[-1]) - 1] for c in study.curves(arm, key) if len(c) == layers]
+
+    _bars(axes[0][0], [f"captured {i}" for i in range(1, layers + 1)], study, value)
+    axes[0][0].set_ylabel("share of fc input")
+    _legend(fig, axes)
+    return fig, "How much each captured target layer contributes to the drafter's fc projection."
+
+
 FIGURES: dict[str, Callable[[Study], tuple[plt.Figure, str] | None]] = {
     "al_vs_depth": al_vs_depth,
     "accept_rate": accept_rate,
@@ -261,6 +292,8 @@ FIGURES: dict[str, Callable[[Study], tuple[plt.Figure, str] | None]] = {
     "al_vs_context": al_vs_context,
     "al_per_template": al_per_template,
     "vllm_speedup": vllm_speedup,
+    "rollout_acc": rollout_acc,
+    "fc_share": fc_share,
 }
 NEEDS_DRIFT = {"sink_self_mass", "norm_growth"}
 
