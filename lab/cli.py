@@ -261,6 +261,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     track.configure(cfg.tracking.uri)
     cmd = track.ui_command(cfg.tracking.uri, cfg.tracking.artifact_root, args.host, args.port)
     print(f"MLflow UI on http://{args.host}:{args.port} over {cfg.tracking.uri}")
+    print("  (MLflow 3 opens on its GenAI view: choose 'Model training' at the top left to see the runs)")
     os.execvpe(cmd[0], cmd, {**track.ui_environment(), **os.environ})
     return 0
 
