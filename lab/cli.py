@@ -95,13 +95,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(exp, extra: list[str], parent_run_id: str, out: str | None, seeds_arg: str | None):
-    """Write the experiment's report for the study under `parent_run_id`."""
+def _report(exp, extra: list[str], uri: str, parent_run_id: str, out: str | None, seeds_arg: str | None):
+    """Write the experiment's report for the study under `parent_run_id` in store `uri`."""
     from pathlib import Path
 
     from lab import report
 
-    uri = compose([*exp.overrides, *extra]).tracking.uri
     study = report.load(
         uri, parent_run_id, exp.name, exp.description, [(a.name, a.label) for a in exp.arms], exp.baseline, exp.seeds
     )
@@ -123,7 +122,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         return 0
     worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
     result = engine.launch(sweep, extra, worker_args, workers=args.workers, progress=not args.no_progress)
-    rep = _report(exp, extra, result.parent_run_id, None, args.seeds)
+    uri = compose([*exp.overrides, *extra]).tracking.uri
+    rep = _report(exp, extra, uri, result.parent_run_id, None, args.seeds)
     print(f"\n{rep.main_table()}")
     c = result.counts
     print(
@@ -140,15 +140,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     name, extra = _named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
+    uri = compose([*exp.overrides, *extra]).tracking.uri
     parent = args.run
     if parent is None:
         sweep = exp.as_sweep(extra)
-        uri = compose([*exp.overrides, *extra]).tracking.uri
         parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
         if note:
             print(f"note: {note}", file=sys.stderr)
     try:
-        rep = _report(exp, extra, parent, args.out, args.seeds)
+        rep = _report(exp, extra, uri, parent, args.out, args.seeds)
     except ValueError as exc:
         return _fail(f"--run: {exc}")
     print(rep.main_table())

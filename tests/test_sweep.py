@@ -316,8 +316,9 @@ def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
     )
     sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
     result = _launch(sweep, extra)
-    trials = _study(sweep, extra).trials
-    assert result.counts["complete"] == 4 and sorted(_slots(_study(sweep, extra))) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    study = _study(sweep, extra)
+    trials = study.trials
+    assert result.counts["complete"] == 4 and sorted(_slots(study)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for point in (0, 1):  # both seeds of a point share its sampled params and its MLflow arm
         pair = [t for t in trials if t.user_attrs["point"] == point]
         assert pair[0].params == pair[1].params and pair[0].user_attrs["arm"] == pair[1].user_attrs["arm"]

@@ -83,7 +83,7 @@ def _run_table(study: Study) -> list[str]:
     return lines
 
 
-def write(study: Study, figure_names: list[str], folder: Path, command: str, log_to_parent: bool = True) -> Report:
+def write(study: Study, figure_names: list[str], folder: Path, command: str) -> Report:
     """Write the study's report into `folder` (and onto its parent run as the `report/` artifacts)."""
     unknown = [n for n in figure_names if n not in fig_mod.FIGURES]
     if unknown:
@@ -114,6 +114,5 @@ def write(study: Study, figure_names: list[str], folder: Path, command: str, log
     lines += ["## Runs", "", *_run_table(study), ""]
     report = Report(folder, tables, figures)
     report.path.write_text("\n".join(lines))
-    if log_to_parent:
-        track.log_artifacts(study.uri, study.parent.info.run_id, folder, "report")
+    track.log_artifacts(study.uri, study.parent.info.run_id, folder, "report")
     return report

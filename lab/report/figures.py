@@ -301,15 +301,16 @@ NEEDS_DRIFT = {"sink_self_mass", "norm_growth"}
 def draw(study: Study, names: list[str], folder: Path) -> list[Figure]:
     """The named figures the study's metrics support (all of them when `names` is empty), saved as
     `folder/NAME.png` and `folder/NAME.pdf`. vLLM's speedup is added wherever it was measured."""
+    if not study.runs:
+        return []
     wanted = list(names or FIGURES)
     if "vllm_speedup" not in wanted:
         wanted.append("vllm_speedup")
-    drift = study.has(f"drift/{study.suites[0]}/k{study.ks[-1]}/sink_mass") if study.runs else False
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     with plt.rc_context(STYLE):
         for name in wanted:
-            if not study.runs or (name in NEEDS_DRIFT and not drift):
+            if name in NEEDS_DRIFT and not study.has_drift:
                 continue
             made = FIGURES[name](study)
             if made is None:

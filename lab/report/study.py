@@ -86,6 +86,11 @@ class Study:
     def has(self, key: str) -> bool:
         return any(key in r.data.metrics for r in self.runs)
 
+    @property
+    def has_drift(self) -> bool:
+        """Whether the runs recorded the drift probes (eval.probes)."""
+        return bool(self.runs) and self.has(f"drift/{self.suites[0]}/k{self.ks[-1]}/sink_mass")
+
     def gaps(self) -> list[str]:
         """What the study lacks: arms without a finished run, seeds without a finished run."""
         out = []
@@ -95,7 +100,8 @@ class Study:
             if not arm.runs:
                 out.append(f"arm {arm.label} ({arm.name}) has no finished run")
             elif missing:
-                out.append(f"arm {arm.label} ({arm.name}) lacks seed{'s' * (len(missing) > 1)} {_join(missing)}")
+                seeds = ", ".join(str(s) for s in missing)
+                out.append(f"arm {arm.label} ({arm.name}) lacks seed{'s' * (len(missing) > 1)} {seeds}")
         return out
 
     def left_out_note(self) -> str:
@@ -109,10 +115,6 @@ class Study:
             by_state.setdefault(state, []).append(f"{r.data.tags.get('arm', '?')} seed {r.data.tags.get('seed', '?')}")
         parts = [f"{len(v)} {k} ({', '.join(sorted(v))})" for k, v in sorted(by_state.items())]
         return f"Left out: {'; '.join(parts)}."
-
-
-def _join(values: list[Any]) -> str:
-    return ", ".join(str(v) for v in values)
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

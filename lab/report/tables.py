@@ -221,7 +221,7 @@ def al_table(study: Study) -> Table:
     for a in study.arms:
         row_cells = cells[a.name]
         for j, cell in enumerate(row_cells):
-            cell.change = _change(cell, base[j] if base and a.name != study.baseline else None)
+            cell.change = _change(cell, base[j] if base else None)
         rows.append(Row(a.name, a.label, row_cells, n=len(a.runs)))
     base_label = next((a.label for a in study.arms if a.name == study.baseline), study.baseline)
     title = f"Acceptance length (mean ± std over seeds; change against {base_label}; {b} decoder)"
@@ -246,7 +246,7 @@ def acceptance_table(study: Study) -> Table:
 def drift_table(study: Study) -> Table | None:
     """Sink and self attention mass at drafting step 1 and the deepest step, norm growth there, per suite."""
     k = study.ks[-1]
-    if not study.has(f"drift/{study.suites[0]}/k{k}/sink_mass"):
+    if not study.has_drift:
         return None
     columns = [
         Column("sink, step 1", better="high"),
