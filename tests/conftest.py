@@ -3,6 +3,8 @@ temporary folder (cache and MLflow store), never in the repository's own `.cache
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,39 @@ def trained_eagle31(micro_overrides, micro_target, micro_hidden):
     drafter = init_drafter(micro_target, cfg.drafter, aux_layers(cfg), seed=0)
     result = train(drafter, micro_hidden, micro_target.lm_head_weight, cfg.train, seed=0, progress=False)
     return drafter, result
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def postgres() -> str:
+    """The base URL of the project's own local PostgreSQL server (scripts/postgres.sh), started for the
+    session and stopped after it if it was not running before. Skips without a server installed, unless
+    LAB_REQUIRE_POSTGRES=1 (CI), where that fails."""
+    script = ["bash", str(ROOT / "scripts" / "postgres.sh")]
+    installed = subprocess.run([*script, "install"], capture_output=True, text=True)
+    if installed.returncode != 0:
+        if os.environ.get("LAB_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"no PostgreSQL server: {installed.stderr.strip()}")
+        pytest.skip("no PostgreSQL server (scripts/postgres.sh install needs root or sudo)")
+    was_running = subprocess.run([*script, "status"]).returncode == 0
+    started = subprocess.run([*script, "start"], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    yield started.stdout.strip().splitlines()[-1]
+    if not was_running:
+        subprocess.run([*script, "stop"], check=False)
+
+
+@pytest.fixture()
+def fresh_database(postgres):
+    """`make(name)`: the URL of an empty database `name` on the test server (dropped first if it exists)."""
+    import psycopg
+
+    def make(name: str) -> str:
+        with psycopg.connect(f"{postgres}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return f"{postgres}/{name}"
+
+    return make
