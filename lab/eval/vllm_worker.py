@@ -76,6 +76,7 @@ def run(job: dict) -> dict:
         seed=job["seed"],
         distributed_executor_backend="uni",
         skip_tokenizer_init=True,
+        load_format="safetensors",  # never a pickled .bin/.pt, for the target and the drafter alike
     )
     plain = dict(ignore_eos=True, detokenize=False)
     temperature, max_new = job["temperature"], job["max_new_tokens"]

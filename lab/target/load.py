@@ -71,7 +71,8 @@ def load(cfg: DictConfig, progress: bool = True) -> Target:
             raise ConfigError("target.path", f"'{path}' is not a Hugging Face model directory (no config.json)")
         info, fingerprint = {}, f"hf-{_hf_fingerprint(path)}"
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        # safetensors only: a pytorch_model.bin is a pickle, which can run code when loaded
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError("target.path", f"cannot load a causal LM from '{path}': {str(exc).splitlines()[0]}") from None
