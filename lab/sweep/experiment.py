@@ -6,10 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from lab.config import ConfigError, compose
-from lab.sweep.spec import Objective, Param, Sweep
+from lab.sweep.spec import Objective, Param, Sweep, blame, read_yaml
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
 
@@ -38,7 +36,7 @@ class Experiment:
         try:
             cfg = compose([*self.overrides, *first.overrides, *extra])
         except ConfigError as exc:
-            raise ConfigError(f"experiments/{self.name}.yaml point '{first.name}': {exc.key}", str(exc)) from None
+            raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'") from None
         e = cfg.eval
         backend = "ref" if "ref" in e.backends else "vllm"
         metric = f"eval/{e.suites[0]}/{backend}/k{e.num_speculative_tokens[0]}/al"
@@ -65,11 +63,8 @@ def load(name: str, folder: Path = EXPERIMENT_DIR, seeds_arg: str | None = None)
     path = folder / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError("experiment", f"unknown experiment '{name}'; available: {', '.join(available())}")
-    try:
-        spec = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"experiments/{name}.yaml", f"not valid YAML: {str(exc).splitlines()[0]}") from None
     where = f"experiments/{name}.yaml"
+    spec = read_yaml(path, where)
     if not isinstance(spec, dict) or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
         raise ConfigError(f"{where}: arms", "expected a mapping of arm name -> {label, overrides}")
     allowed = {"description", "baseline", "seeds", "overrides", "arms", "figures"}

@@ -188,11 +188,20 @@ class Sweep:
             try:
                 cfg = compose(self.trial_overrides(params, self.seeds[0], extra))
             except ConfigError as exc:
-                raise ConfigError(f"{self.source} point '{self.label(params)}': {exc.key}", str(exc)) from None
+                raise blame(exc, f"{self.source} point '{self.label(params)}'") from None
             first = first or cfg
             for obj in self.objectives:
                 _check_metric(obj.metric, cfg, f"{self.source}: objectives")
         return first
+
+
+def blame(exc: ConfigError, where: str) -> ConfigError:
+    """The error of a point or arm that does not compose, said of `where`; a bad key of where runs are
+    tracked (a malformed tracking.uri) is the same for every point, so it is said of that key alone."""
+    if not changing_results([f"{exc.key}="]):
+        return exc
+    message = str(exc).removeprefix(f"{exc.key}: ")
+    return ConfigError(f"{where}: {exc.key}", message)
 
 
 def changing_results(overrides: list[str]) -> list[str]:
@@ -242,16 +251,17 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
     if name.endswith((".yaml", ".yml")):
         path = Path(name)
         name, where = path.stem, name
+        if path.is_dir():
+            raise ConfigError(where, "is a directory; expected a sweep spec file (YAML)")
         if not path.is_file():
-            raise ConfigError("sweep", f"'{where}' is not a readable file")
+            raise ConfigError(
+                where, f"no such file; expected a sweep spec file (YAML) or one of sweeps/: {', '.join(available())}"
+            )
     else:
         path, where = folder / f"{name}.yaml", f"sweeps/{name}.yaml"
     if not path.is_file():
         raise ConfigError("sweep", f"unknown sweep '{name}'; available: {', '.join(available(folder))}")
-    try:
-        spec = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(where, f"not valid YAML: {str(exc).splitlines()[0]}") from None
+    spec = read_yaml(path, where)
     if not isinstance(spec, dict):
         raise ConfigError(where, "expected a mapping with space, objectives, sampler, ...")
     allowed = {
@@ -293,6 +303,23 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
     if sweep.sampler["name"] == "nsga2" and len(sweep.objectives) < 2:
         raise ConfigError(f"{where}: sampler", "nsga2 is for two or more objectives; use tpe for one")
     return sweep
+
+
+def read_yaml(path: Path, where: str) -> Any:
+    """The parsed YAML file; ConfigError naming `where` and the line when it cannot be read or parsed."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(where, "not a text file; expected YAML (UTF-8)") from None
+    except OSError as exc:
+        raise ConfigError(where, f"cannot be read ({exc.strerror or exc}); expected a readable YAML file") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(where, f"not valid YAML ({at}{problem})") from None
 
 
 def _param(where: str, name: str, spec: Any) -> Param:

@@ -284,6 +284,39 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]
     return client.search_runs([exp.experiment_id], filter_string=filter_string)
 
 
+def check_reachable(uri: str, timeout: float = 3.0) -> None:
+    """ValueError (one line) when `uri` is an MLflow server that does not answer its health check.
+
+    MLflow's own client retries a dead server for minutes before it fails; a command checks first.
+    A local or database store is not checked here (opening it tells)."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import os
+    import re
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    shown = re.sub(r"//[^/@]*@", "//", uri)  # /health needs no credentials; a message shows none
+    try:
+        context = None  # the TLS settings MLflow's client honours, so that the check agrees with it
+        if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+            context = ssl._create_unverified_context()
+        elif os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH"):
+            context = ssl.create_default_context(cafile=os.environ["MLFLOW_TRACKING_SERVER_CERT_PATH"])
+        with urllib.request.urlopen(shown.rstrip("/") + "/health", timeout=timeout, context=context):
+            return
+    except urllib.error.HTTPError as exc:
+        if exc.code < 500:  # something answers (a proxy, an auth wall): MLflow reports what it is
+            return
+        reason: object = f"HTTP {exc.code} {exc.reason}"
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+    except (OSError, ValueError) as exc:  # a timeout while reading, a malformed address, a missing CA file
+        reason = exc
+    raise ValueError(f"cannot reach the MLflow server at {shown}: {' '.join(str(reason).split())}")
+
+
 def ui_environment() -> dict[str, str]:
     """Environment for the UI server: without MLflow 3's job runner (GenAI scorers), which starts eight
     worker processes that keep two cores busy while the workbench has no job for them."""

@@ -1,0 +1,238 @@
+"""Bad input through the real `lab` command line, one row per mistake: every command exits 2 with ONE line
+`error: KEY-or-FILE: ... what is expected`, fails before any work (nothing is trained, no target is
+built), quickly (a dead server or database is not retried for minutes), and leaves every result already
+recorded exactly as it was: the MLflow runs, the Optuna journal, the artifacts, every file of the folder."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import optuna
+import pytest
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from lab import track
+
+MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+STORE = "<store>"  # where a row's command takes the overrides that point it at the recorded store
+RUN_ID = "0123456789abcdef0123456789abcdef"  # an id the store does not hold
+DEAD_SERVER = "http://127.0.0.1:1"  # nothing listens on port 1: connection refused at once
+DEAD_DB = "postgresql://lab@127.0.0.1:1/optuna"
+SLOWEST_S = 40.0  # interpreter start and imports take 1-8 s; MLflow's retries of a dead server take minutes
+
+# (id, command line with STORE where the store's overrides go, the key or file named, what is expected);
+# `{root}` is the temporary folder the commands run in
+CASES: list[tuple[str, list[str], str, str]] = [
+    # unknown keys
+    ("unknown root key", ["run", STORE, "foo=1"], "foo", "unknown config key; allowed under '<root>'"),
+    ("unknown nested key", ["run", STORE, "drafter.bar=1"], "drafter.bar", "allowed under 'drafter': aux_layers"),
+    ("unknown preset", ["run", STORE, "drafter=eagle4"], "drafter", "available: eagle3, eagle31"),
+    # wrong types
+    ("int as text", ["run", STORE, "train.steps=abc"], "train.steps", "could not be converted to Integer"),
+    ("bool as text", ["run", STORE, "drafter.norm_output=maybe"], "drafter.norm_output", "not a valid bool"),
+    # out of range
+    ("step weight > 1", ["run", STORE, "train.step_weight=2"], "train.step_weight", "must be in (0, 1]"),
+    ("negative temperature", ["run", STORE, "eval.temperature=-1"], "eval.temperature", "must be >= 0"),
+    ("negative threads", ["run", STORE, "threads=-2"], "threads", "positive number of torch threads"),
+    ("aux layer past the target", ["run", STORE, "drafter.aux_layers=[1,2,9]"], "drafter.aux_layers", "0..3"),
+    # incompatible combinations
+    (
+        "ttt_length >= seq_len",
+        ["run", STORE, "train.ttt_length=128"],
+        "train.ttt_length",
+        "must be below data.seq_len=128",
+    ),
+    (
+        "vllm with a layernorm drafter",
+        ["run", STORE, "eval.backends=[ref,vllm]", "drafter=eagle31", "drafter.norm_type=layernorm"],
+        "eval.backends",
+        "expected drafter.norm_type=rmsnorm, or eval.backends=[ref]",
+    ),
+    # the target
+    ("hf without a path", ["run", STORE, "target=hf"], "target.path", "required for target.kind=hf"),
+    (
+        "hf path not a model",
+        ["run", STORE, "target=hf", "target.path={root}/notamodel"],
+        "target.path",
+        "has no config.json (expected a Hugging Face model dir)",
+    ),
+    (
+        "hf path missing",
+        ["run", STORE, "target=hf", "target.path={root}/nomodel"],
+        "target.path",
+        "is not a directory",
+    ),
+    # the MLflow store
+    ("tracking uri a bare file", ["run", STORE, "tracking.uri=mlflow.db"], "tracking.uri", "expected sqlite:///PATH"),
+    ("tracking uri ftp", ["run", STORE, "tracking.uri=ftp://x"], "tracking.uri", "http(s)://HOST:PORT"),
+    (
+        "run: server unreachable",
+        ["run", STORE, f"tracking.uri={DEAD_SERVER}"],
+        "tracking.uri",
+        f"cannot reach the MLflow server at {DEAD_SERVER}",
+    ),
+    # sweep specs
+    ("spec not YAML", ["sweep", "sweep={root}/broken.yaml", STORE], "{root}/broken.yaml", "not valid YAML (line 3"),
+    ("spec a directory", ["sweep", "sweep={root}/folder.yaml", STORE], "{root}/folder.yaml", "is a directory"),
+    ("spec missing", ["sweep", "sweep={root}/missing.yaml", STORE], "{root}/missing.yaml", "no such file; expected"),
+    ("spec not text", ["sweep", "sweep={root}/binary.yaml", STORE], "{root}/binary.yaml", "expected YAML (UTF-8)"),
+    ("spec unknown key", ["sweep", "sweep={root}/typo.yaml", STORE], "{root}/typo.yaml: samplr", "allowed: "),
+    ("unknown sweep", ["sweep", "sweep=nope", STORE], "sweep", "unknown sweep 'nope'; available: pareto_al_drift"),
+    ("sweep --trials -1", ["sweep", "sweep=tpe_eagle3", "--trials", "-1", STORE], "--trials", "positive total"),
+    ("sweep --workers -1", ["sweep", "sweep=tpe_eagle3", "--workers", "-1", STORE], "--workers", "got -1"),
+    # the Optuna storage
+    (
+        "storage url without ://",
+        ["sweep", "sweep=tpe_eagle3", STORE, "tracking.optuna_storage=postgresql//nohost"],
+        "tracking.optuna_storage",
+        "looks like a database URL without '://'",
+    ),
+    (
+        "storage unknown scheme",
+        ["sweep", "sweep=tpe_eagle3", STORE, "tracking.optuna_storage=bogus://x"],
+        "tracking.optuna_storage",
+        "unknown database 'bogus'; expected null",
+    ),
+    (
+        "storage database unreachable",
+        ["sweep", "sweep=tpe_eagle3", STORE, f"tracking.optuna_storage={DEAD_DB}"],
+        "tracking.optuna_storage",
+        "cannot open 'postgresql://lab",
+    ),
+    (
+        "sweep: server unreachable",
+        ["sweep", "sweep=tpe_eagle3", STORE, f"tracking.uri={DEAD_SERVER}"],
+        "tracking.uri",
+        "cannot reach the MLflow server",
+    ),
+    # experiments, reports, exports
+    ("ablate unknown experiment", ["ablate", "experiment=nope", STORE], "experiment", "available: depth_extrapolation"),
+    (
+        "ablate: server unreachable",
+        ["ablate", "experiment=drift_2x2", STORE, f"tracking.uri={DEAD_SERVER}"],
+        "tracking.uri",
+        "cannot reach the MLflow server",
+    ),
+    ("report unknown experiment", ["report", "experiment=nope", STORE], "experiment", "unknown experiment 'nope'"),
+    (
+        "report: server unreachable",
+        ["report", "experiment=drift_2x2", STORE, f"tracking.uri={DEAD_SERVER}"],
+        "tracking.uri",
+        "cannot reach the MLflow server",
+    ),
+    (
+        "export unknown run",
+        ["export", RUN_ID, "--out", "{root}/exported", STORE],
+        f"run '{RUN_ID}'",
+        "not found in sqlite:///",
+    ),
+]
+
+
+def _overrides(root: Path) -> list[str]:
+    return [
+        *MICRO,
+        f"cache_dir={root / 'cache'}",
+        f"tracking.uri=sqlite:///{root / 'mlruns' / 'mlflow.db'}",
+        f"tracking.artifact_root={root / 'mlruns' / 'artifacts'}",
+        "threads=1",
+    ]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Path:
+    """A folder holding a real result: a finished MLflow run with metrics, params, tags and an artifact,
+    an Optuna journal with one completed trial, and the bad input files the table reads."""
+    root = tmp_path_factory.mktemp("recorded")
+    overrides = dict(o.split("=", 1) for o in _overrides(root))
+    uri, artifacts = overrides["tracking.uri"], overrides["tracking.artifact_root"]
+    tags = {"study": "recorded", "arm": "eagle3", "seed": 0}
+    with track.start_run(uri, artifacts, "recorded", "eagle3", tags) as run:
+        run.log_params({"drafter.fc_norm": "none", "train.ttt_length": 3})
+        run.log_metrics({"eval/in_dist/ref/k3/al": 2.5})
+        run.log_curves({"train/loss": [3.0, 2.0, 1.5]})
+        run.log_dict({"al": 2.5}, "result.json")
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(root / "mlruns" / "optuna.journal"))
+    )
+    study = optuna.create_study(study_name="recorded", storage=storage)
+    study.optimize(lambda trial: trial.suggest_float("x", 0.0, 1.0), n_trials=1)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE]
+
+    (root / "broken.yaml").write_text("space:\n  train.lr: [1, 2\n  x: : y\n")
+    (root / "folder.yaml").mkdir()
+    (root / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81 not text")
+    (root / "typo.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nsamplr: tpe\n")
+    (root / "notamodel").mkdir()
+    (root / "notamodel" / "README.md").write_text("weights elsewhere\n")
+    return root
+
+
+def snapshot(root: Path) -> dict[str, Any]:
+    """Everything recorded under `root`: each run's status, metrics (full history), params and tags, and
+    every file's content hash (the MLflow database, the Optuna journal, the artifacts, stray files)."""
+    uri = f"sqlite:///{root / 'mlruns' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    experiments = client.search_experiments(view_type=ViewType.ALL)
+    runs = client.search_runs([e.experiment_id for e in experiments], run_view_type=ViewType.ALL)
+    return {
+        "experiments": sorted((e.experiment_id, e.name, e.lifecycle_stage) for e in experiments),
+        "runs": {
+            r.info.run_id: {
+                "status": r.info.status,
+                "end_time": r.info.end_time,
+                "lifecycle": r.info.lifecycle_stage,
+                "metrics": {
+                    k: [(m.step, m.value) for m in client.get_metric_history(r.info.run_id, k)] for k in r.data.metrics
+                },
+                "params": dict(r.data.params),
+                "tags": dict(r.data.tags),
+                "artifacts": sorted(a.path for a in client.list_artifacts(r.info.run_id)),
+            }
+            for r in runs
+        },
+        "files": {
+            str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def before(recorded) -> dict[str, Any]:
+    state = snapshot(recorded)
+    assert len(state["runs"]) == 1 and next(iter(state["runs"].values()))["status"] == "FINISHED"
+    assert "mlruns/optuna.journal" in state["files"]
+    assert any(f.endswith("result.json") for f in state["files"])
+    return state
+
+
+def test_table_has_every_kind_of_bad_input():
+    assert len(CASES) >= 22
+    verbs = {argv[0] for _, argv, _, _ in CASES}
+    assert verbs == {"run", "sweep", "ablate", "report", "export"}
+
+
+@pytest.mark.parametrize(("argv", "key", "hint"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_fails_in_one_line_and_changes_nothing(argv, key, hint, recorded, before):
+    args = []
+    for a in argv:
+        args += _overrides(recorded) if a == STORE else [a.format(root=recorded)]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.cli", *args], capture_output=True, text=True, cwd=recorded, timeout=120
+    )
+    seconds = time.monotonic() - started
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"error: {key.format(root=recorded)}"), lines[0]
+    assert hint in lines[0], lines[0]
+    assert seconds < SLOWEST_S, f"{seconds:.0f}s: {lines[0]}"
+    assert snapshot(recorded) == before
