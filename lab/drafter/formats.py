@@ -9,6 +9,10 @@ Both carry the same weights (`fc.weight`, `fc_norm.{i}.weight`, `layers.0.*`, `n
 target's. What only the workbench needs to rebuild the module exactly (the norm type) lives under
 `lab`, which other readers ignore. Weights are read as safetensors only (no pickle). A plain EAGLE-3
 checkpoint (no 3.1 keys, `midlayer.*` weight names, no aux layer ids) loads too.
+
+A checkpoint written here carries `lab_manifest.json` (the sha256 of each weight file; vLLM and
+transformers ignore the extra file): a corrupted or truncated checkpoint is refused on load, never
+silently used. One without it (TorchSpec's, a download) loads unchecked.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
+from lab.fsutil import atomic_file, mismatched_file, sha256_file
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+MANIFEST = "lab_manifest.json"
 
 
 def native_config(spec: DrafterSpec) -> dict:
@@ -163,9 +169,33 @@ def _weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
 def _write(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    # each file through a rename: an interrupted export leaves an old manifest that the new weights
+    # fail, never weights that pass unchecked
+    with atomic_file(out / WEIGHTS) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt"})
+    with atomic_file(out / CONFIG) as tmp:
+        tmp.write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_file(out / MANIFEST) as tmp:
+        tmp.write_text(json.dumps({"files": {WEIGHTS: sha256_file(out / WEIGHTS)}}, indent=2) + "\n")
     return out
+
+
+def verify(path: str | Path) -> None:
+    """ValueError naming the file when a weight file differs from `lab_manifest.json`; nothing to check
+    (and no error) without the manifest."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        return
+    try:
+        hashes = json.loads((path / MANIFEST).read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{path / MANIFEST}: unreadable (corrupted checkpoint); re-export or retrain") from None
+    bad = mismatched_file(path, hashes)
+    if bad is not None:
+        raise ValueError(
+            f"{path / bad}: content hash does not match {MANIFEST} (corrupted or truncated checkpoint); "
+            "re-export or retrain"
+        )
 
 
 def save_native(drafter: Eagle3Drafter, out_dir: str | Path) -> Path:
@@ -180,11 +210,13 @@ def save_speculators(drafter: Eagle3Drafter, out_dir: str | Path, verifier: str,
 def load_checkpoint(
     path: str | Path, embed_weight: torch.Tensor | None = None, target_num_layers: int | None = None
 ) -> Eagle3Drafter:
-    """Load a checkpoint in either format; `embed_weight` fills a checkpoint saved without its embedding."""
+    """Load a checkpoint in either format; `embed_weight` fills a checkpoint saved without its embedding.
+    A checkpoint with `lab_manifest.json` is verified first (ValueError if a weight file differs)."""
     path = Path(path)
     for name in (CONFIG, WEIGHTS):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path / name}: missing (expected a drafter checkpoint: {CONFIG} + {WEIGHTS})")
+    verify(path)
     spec = spec_from_config(json.loads((path / CONFIG).read_text()), target_num_layers)
     drafter = Eagle3Drafter(spec)
     state = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(str(path / WEIGHTS)).items()}
