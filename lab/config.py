@@ -133,6 +133,8 @@ class TrainConfig:
     step_weight: float = 0.8  # loss weight of TTT step i is step_weight**i
     log_every: int = 10
     autocast_bf16: bool = False
+    # a resume checkpoint every N steps under {cache_dir}/checkpoints/ (0: none); a rerun continues from it
+    checkpoint_every: int = 50
 
 
 @dataclass

@@ -1,11 +1,16 @@
-"""One run, end to end: target -> hidden-state cache -> TTT training -> evaluation -> MLflow."""
+"""One run, end to end: target -> hidden-state cache -> TTT training -> evaluation -> MLflow.
+
+Training writes a resume checkpoint every `train.checkpoint_every` steps (lab/train/resume.py): a run
+that is interrupted (Ctrl-C: the MLflow run ends KILLED) or fails is continued by rerunning the same
+command, in a new MLflow run tagged `resumed_from_step` and `resumed_from_run`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +26,9 @@ from lab.data.text import training_sequences
 from lab.drafter import save_native, vllm_incompatibility
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite, heldout_metrics
+from lab.fsutil import claim
 from lab.target import load as load_target
+from lab.train import resume
 from lab.train.ttt import init_drafter, train
 
 
@@ -86,7 +93,12 @@ def run(
         **(tags or {}),
     }
     t = cfg.tracking
-    with track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun:
+    resume_dir = resume.checkpoint_dir(cfg, target.fingerprint, layers) if cfg.train.checkpoint_every > 0 else None
+    with (
+        _resume_checkpoint(resume_dir) as resume_dir,
+        track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun,
+        _records_error(mlrun),
+    ):
         hooks.on_start(mlrun.id)
         mlrun.log_params({**flatten(cfg), "resolved.aux_layers": layers})
         mlrun.log_dict(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "config.yaml")
@@ -99,6 +111,15 @@ def run(
 
         counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
         drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
+        checkpoint, state = None, None
+        if resume_dir is not None:
+            checkpoint = resume.Checkpointing(resume_dir, cfg.train.checkpoint_every, mlrun.id)
+            state = resume.load(resume_dir, cfg.train.steps)
+        if state is not None:
+            print(f"resuming training from step {state.step} of {state.steps} (checkpoint {resume_dir.name})")
+            mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
+            if state.run_id:
+                mlrun.set_tags({"resumed_from_run": state.run_id})
         t0 = time.time()
         stage("train")
 
@@ -106,13 +127,25 @@ def run(
             mlrun.log_metrics(metrics, step)
             hooks.on_train_metrics(metrics, step)
 
-        result = train(drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, log=log_train, progress=progress)
+        result = train(
+            drafter,
+            hidden,
+            target.lm_head_weight,
+            cfg.train,
+            cfg.seed,
+            log=log_train,
+            progress=progress,
+            checkpoint=checkpoint,
+            resume=state,
+        )
         seconds["train"] = time.time() - t0
         if t.log_checkpoint:
             with tempfile.TemporaryDirectory() as tmp:
                 mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
 
-        metrics: dict[str, float | list[float]] = {**setup, "train/final_tokens_per_s": result.tokens_per_s}
+        metrics: dict[str, float | list[float]] = dict(setup)
+        if result.tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
+            metrics["train/final_tokens_per_s"] = result.tokens_per_s
         t0 = time.time()
         e = cfg.eval
         for suite in suites:
@@ -144,6 +177,42 @@ def run(
         mlrun.log_curves(final)
         metrics.update(final)
         return RunResult(mlrun.id, metrics, seconds)
+
+
+@contextlib.contextmanager
+def _resume_checkpoint(path: Path | None) -> Iterator[Path | None]:
+    """The run's resume checkpoint folder, held by this process for the run: removed when the run
+    finishes (its drafter is in MLflow) or is pruned (never resumed), kept when it fails or is
+    interrupted (a rerun resumes it). None when checkpointing is off or another process trains the
+    same configuration right now (both writing one checkpoint would interleave two runs)."""
+    if path is None:
+        yield None
+        return
+    with claim(path.with_name(path.name + ".lock")) as mine:
+        if not mine:
+            print(f"resume checkpoint {path.name}: another process trains this configuration now; none for this run")
+            yield None
+            return
+        try:
+            yield path
+        except track.RunStopped:
+            resume.discard(path)
+            raise
+        resume.discard(path)
+
+
+@contextlib.contextmanager
+def _records_error(mlrun: track.Run) -> Iterator[None]:
+    """A run that fails says why in its tag `error` (e.g. "FloatingPointError: non-finite training loss
+    at step 3: nan"); the run then ends FAILED."""
+    try:
+        yield
+    except track.RunStopped:
+        raise
+    except Exception as exc:
+        with contextlib.suppress(Exception):  # a tracking failure here must not hide the run's error
+            mlrun.set_tags({"error": f"{type(exc).__name__}: {exc}"[:5000]})
+        raise
 
 
 def _evaluate_vllm(cfg: DictConfig, mlrun, target, drafter, suites, progress: bool) -> dict:

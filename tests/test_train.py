@@ -1,11 +1,16 @@
-"""The TTT trainer learns, logs the design's metric keys, and is reproducible under a seed."""
+"""The TTT trainer learns, logs the design's metric keys, is reproducible under a seed, and resumes exactly."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from lab.config import aux_layers
+from lab.data.cache import HiddenStates
+from lab.train import resume
+from lab.train.resume import Checkpointing
 from lab.train.ttt import init_drafter, simulated_acc_len, train, ttt_loss
 
 
@@ -86,3 +91,43 @@ def test_loss_mask_ignores_predictions_of_prompt_tokens(micro_cfg, micro_target,
     noisy = final.clone()
     noisy[~predicts_prompt] = torch.randn_like(noisy[~predicts_prompt]) * 5
     assert abs(loss(noisy) - base) > 1e-3
+
+
+def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_hidden, tmp_path):
+    """Interrupted after step 8 (last checkpoint at step 6, mid log window), resumed: the same weights
+    and the same logged metrics as an uninterrupted run, across an epoch's reshuffle (4 steps each)."""
+    h = micro_hidden
+    data = HiddenStates(h.input_ids[:64], h.loss_mask[:64], h.aux[:64], h.final[:64], h.path)
+    cfg = micro_cfg.train.copy()
+    cfg.steps, cfg.batch_size, cfg.log_every, cfg.warmup_steps = 10, 16, 4, 2
+    layers = aux_layers(micro_cfg)
+
+    def run(log, **kw):
+        d = init_drafter(micro_target, micro_cfg.drafter, layers, seed=3)
+        train(d, data, micro_target.lm_head_weight, cfg, seed=3, log=log, progress=False, **kw)
+        return d
+
+    def without_speed(logged):
+        return [(s, {k: v for k, v in m.items() if k != "train/tokens_per_s"}) for m, s in logged]
+
+    straight: list = []
+    expected = run(lambda m, s: straight.append((m, s)))
+
+    def interrupt_at_8(metrics, step):
+        if step == 8:
+            raise KeyboardInterrupt
+
+    ckpt = Checkpointing(tmp_path / "ckpt", every=3, run_id="first")
+    with pytest.raises(KeyboardInterrupt):
+        run(interrupt_at_8, checkpoint=ckpt)
+    state = resume.load(ckpt.path, cfg.steps)
+    assert state is not None and state.step == 6 and state.run_id == "first" and len(state.window) == 2
+    assert state.optimizer[0]["step"].item() == 6.0  # AdamW's step count, a tensor
+
+    resumed: list = []
+    got = run(lambda m, s: resumed.append((m, s)), checkpoint=Checkpointing(ckpt.path, 3, "second"), resume=state)
+    for k, v in expected.state_dict().items():
+        assert torch.equal(v, got.state_dict()[k]), k
+    assert without_speed(resumed) == without_speed(straight)  # history replayed, then the same window
+    final = json.loads((ckpt.path / resume.MANIFEST).read_text())
+    assert (final["step"], final["steps"], final["run_id"]) == (10, 10, "second")

@@ -8,6 +8,7 @@ the projected target features, later steps from its own feedback); step i's loss
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from lab.data.cache import HiddenStates
 from lab.drafter import DrafterSpec, Eagle3Drafter
 from lab.schedule import warmup_cosine
 from lab.target import Target, target_logits
+from lab.train.resume import Checkpointing, StopRequest, TrainState
+from lab.train.resume import save as save_state
 
 MetricsFn = Callable[[dict[str, float], int], None]
 
@@ -154,7 +157,7 @@ def simulated_acc_len(accs: list[float]) -> float:
 class TrainResult:
     steps: int
     seconds: float
-    tokens_per_s: float
+    tokens_per_s: float  # of the steps trained in this call (0 when a finished checkpoint was resumed)
     last: dict[str, float] = field(default_factory=dict)
 
 
@@ -166,78 +169,124 @@ def train(
     seed: int,
     log: MetricsFn | None = None,
     progress: bool = True,
+    checkpoint: Checkpointing | None = None,
+    resume: TrainState | None = None,
 ) -> TrainResult:
-    """Train in place; `log(metrics, step)` receives the averaged metrics every `log_every` steps."""
+    """Train in place; `log(metrics, step)` receives the averaged metrics every `log_every` steps.
+
+    With `checkpoint`, a resume checkpoint is written every `checkpoint.every` steps and after the last,
+    and Ctrl-C stops after the current step with a checkpoint. With `resume` (such a checkpoint, of the
+    same training), training continues from its step and ends with the weights an uninterrupted run
+    would have, bit for bit (same thread count); the metrics it logged are sent to `log` again first."""
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(data), generator=gen)
-    cursor = 0
+    cursor, start = 0, 0
+    window: list[dict] = []  # per-step stats since the last log
+    history: list[tuple[int, dict[str, float]]] = []
+    last: dict[str, float] = {}
+    if resume is not None:
+        start, order, cursor = resume.step, resume.order, resume.cursor
+        gen.set_state(resume.generator)
+        drafter.load_state_dict(resume.model, strict=True)
+        # the fresh optimizer's groups (same config: the checkpoint key covers it); lr is set per step
+        opt.load_state_dict({"state": resume.optimizer, "param_groups": opt.state_dict()["param_groups"]})
+        if resume.log_every == tcfg.log_every:  # else its window would straddle other log steps
+            window = list(resume.window)
+        history = list(resume.history)
+        for step, metrics in history:
+            if log is not None:
+                log(metrics, step)
+            last = metrics
     drafter.train()
-    window: list[StepStats] = []
     window_tokens, window_start = 0, time.time()
     started = time.time()
-    last: dict[str, float] = {}
     bar = tqdm(
-        range(tcfg.steps),
+        range(start, tcfg.steps),
+        initial=start,
+        total=tcfg.steps,
         desc=f"train {drafter.spec.fc_norm}/{drafter.spec.norm_output}",
         unit="step",
         disable=not progress,
     )
-    for step in bar:
-        if cursor + tcfg.batch_size > len(order):
-            order, cursor = torch.randperm(len(data), generator=gen), 0
-        idx = order[cursor : cursor + tcfg.batch_size]
-        cursor += tcfg.batch_size
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
-            stats = ttt_loss(
-                drafter,
-                data.input_ids[idx],
-                data.aux[idx],
-                data.final[idx],
-                lm_head_weight,
-                tcfg.ttt_length,
-                tcfg.step_weight,
-                data.loss_mask[idx],
-            )
-        if not torch.isfinite(stats.loss):
-            raise FloatingPointError(f"non-finite training loss at step {step}: {stats.loss.item()}")
-        opt.zero_grad(set_to_none=True)
-        stats.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
-        opt.step()
-        window.append(stats)
-        window_tokens += int(data.input_ids[idx].numel())
-        if (step + 1) % tcfg.log_every == 0 or step + 1 == tcfg.steps:
-            elapsed = time.time() - window_start
-            last = _summarize(window, window_tokens / max(elapsed, 1e-9), opt.param_groups[0]["lr"])
-            if log is not None:
-                log(last, step + 1)
-            bar.set_postfix(
-                loss=f"{last['train/loss']:.3f}",
-                acc0=f"{last['train/acc_0']:.2f}",
-                sal=f"{last['train/simulated_acc_len']:.2f}",
-            )
-            window, window_tokens, window_start = [], 0, time.time()
+    stop = StopRequest()
+    with stop.installed() if checkpoint is not None else contextlib.nullcontext():
+        for step in bar:
+            if cursor + tcfg.batch_size > len(order):
+                order, cursor = torch.randperm(len(data), generator=gen), 0
+            idx = order[cursor : cursor + tcfg.batch_size]
+            cursor += tcfg.batch_size
+            for group in opt.param_groups:
+                group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
+                stats = ttt_loss(
+                    drafter,
+                    data.input_ids[idx],
+                    data.aux[idx],
+                    data.final[idx],
+                    lm_head_weight,
+                    tcfg.ttt_length,
+                    tcfg.step_weight,
+                    data.loss_mask[idx],
+                )
+            if not torch.isfinite(stats.loss):
+                raise FloatingPointError(f"non-finite training loss at step {step}: {stats.loss.item()}")
+            opt.zero_grad(set_to_none=True)
+            stats.loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+            opt.step()
+            window.append({"loss": stats.loss.item(), "plosses": stats.plosses, "accs": stats.accs})
+            window_tokens += int(data.input_ids[idx].numel())
+            done = step + 1
+            if done % tcfg.log_every == 0 or done == tcfg.steps:
+                elapsed = time.time() - window_start
+                last = _summarize(window, window_tokens / max(elapsed, 1e-9), opt.param_groups[0]["lr"])
+                history.append((done, last))
+                if log is not None:
+                    log(last, done)
+                bar.set_postfix(
+                    loss=f"{last['train/loss']:.3f}",
+                    acc0=f"{last['train/acc_0']:.2f}",
+                    sal=f"{last['train/simulated_acc_len']:.2f}",
+                )
+                window, window_tokens, window_start = [], 0, time.time()
+            stopping = stop.requested  # read once: a Ctrl-C from here on still gets its checkpoint
+            if checkpoint is not None and (done % checkpoint.every == 0 or done == tcfg.steps or stopping):
+                state = TrainState(
+                    step=done,
+                    steps=tcfg.steps,
+                    model=drafter.state_dict(),
+                    optimizer=opt.state_dict()["state"],
+                    order=order,
+                    cursor=cursor,
+                    generator=gen.get_state(),
+                    log_every=tcfg.log_every,
+                    window=window,
+                    history=history,
+                    run_id=checkpoint.run_id,
+                )
+                save_state(checkpoint.path, state)
+            if stopping:
+                raise KeyboardInterrupt
+    bar.close()
     drafter.eval()
     seconds = time.time() - started
-    tokens = tcfg.steps * tcfg.batch_size * data.input_ids.shape[1]
-    return TrainResult(tcfg.steps, seconds, tokens / seconds, last)
+    tokens = (tcfg.steps - start) * tcfg.batch_size * data.input_ids.shape[1]
+    return TrainResult(tcfg.steps, seconds, tokens / max(seconds, 1e-9), last)
 
 
-def _summarize(window: list[StepStats], tokens_per_s: float, lr: float) -> dict[str, float]:
+def _summarize(window: list[dict], tokens_per_s: float, lr: float) -> dict[str, float]:
     n = len(window)
-    length = len(window[0].accs)
-    accs = [sum(s.accs[i] for s in window) / n for i in range(length)]
+    length = len(window[0]["accs"])
+    accs = [sum(s["accs"][i] for s in window) / n for i in range(length)]
     metrics = {
-        "train/loss": sum(s.loss.item() for s in window) / n,
+        "train/loss": sum(s["loss"] for s in window) / n,
         "train/tokens_per_s": tokens_per_s,
         "train/lr": lr,
         "train/simulated_acc_len": simulated_acc_len(accs),
     }
     for i in range(length):
-        metrics[f"train/ploss_{i}"] = sum(s.plosses[i] for s in window) / n
+        metrics[f"train/ploss_{i}"] = sum(s["plosses"][i] for s in window) / n
         metrics[f"train/acc_{i}"] = accs[i]
     return metrics

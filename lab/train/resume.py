@@ -1,0 +1,186 @@
+"""Resume checkpoints of the TTT trainer: an interrupted `lab run` continues where it stopped.
+
+Layout: `{cache_dir}/checkpoints/{key}/` with `model.safetensors` (the drafter's state),
+`optimizer.safetensors` (AdamW's per-parameter state), `data.safetensors` (the data-order permutation
+and the generator state), `state.json` (step, cursor, the metrics window and history) and
+`manifest.json` (each file's sha256, `step`, `steps`, the MLflow run that wrote it). Safetensors and
+JSON only, no pickle. The key hashes everything that determines the trained weights, so a checkpoint
+is only ever resumed by the same training. A checkpoint with `step < steps` is partial: it resumes
+training and is never taken for a finished drafter (that one is the MLflow run's artifact). A file
+that does not match its manifest hash is refused with one line and training starts from scratch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lab.fsutil import mismatched_file, sha256_file, short_hash, staging_dir
+
+MANIFEST = "manifest.json"
+FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json")
+FORMAT = 1
+# keys that change how a run is watched, not the weights it trains
+_NOT_IN_KEY = ("checkpoint_every", "log_every")
+
+
+def checkpoint_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
+    """Where the resume checkpoint of this training lives."""
+    train = OmegaConf.to_container(cfg.train, resolve=True, enum_to_str=True)
+    for k in _NOT_IN_KEY:
+        train.pop(k, None)
+    key = short_hash(
+        {
+            "format": FORMAT,
+            "target": target_fingerprint,
+            "data": OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True),
+            "aux": list(aux_layers),
+            "drafter": OmegaConf.to_container(cfg.drafter, resolve=True, enum_to_str=True),
+            "train": train,
+            "seed": cfg.seed,
+        }
+    )
+    return Path(cfg.cache_dir) / "checkpoints" / key
+
+
+@dataclass
+class Checkpointing:
+    """Write a resume checkpoint to `path` every `every` steps (and after the last); `run_id` is
+    recorded as the run that wrote it."""
+
+    path: Path
+    every: int
+    run_id: str | None = None
+
+
+@dataclass
+class TrainState:
+    """Everything the trainer needs to continue bit for bit after `step` of `steps` steps."""
+
+    step: int
+    steps: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[int, dict[str, torch.Tensor]]  # AdamW state per parameter index (`step` is a tensor)
+    order: torch.Tensor  # the current epoch's permutation of the training sequences
+    cursor: int  # the next position in `order`
+    generator: torch.Tensor  # torch.Generator state (draws the next permutations)
+    log_every: int
+    window: list[dict] = field(default_factory=list)  # per-step stats since the last log
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # every (step, metrics) logged
+    run_id: str | None = None
+
+
+def save(path: Path, state: TrainState) -> None:
+    """Write `state` to `path`, replacing what is there atomically (a crash leaves the old checkpoint)."""
+    with staging_dir(path) as tmp:
+        save_file({k: v.contiguous() for k, v in state.model.items()}, str(tmp / "model.safetensors"))
+        opt = {f"{i}.{name}": t.contiguous() for i, s in state.optimizer.items() for name, t in s.items()}
+        save_file(opt, str(tmp / "optimizer.safetensors"))
+        save_file({"order": state.order, "generator": state.generator}, str(tmp / "data.safetensors"))
+        info = {
+            "cursor": state.cursor,
+            "log_every": state.log_every,
+            "window": state.window,
+            "history": state.history,
+        }
+        (tmp / "state.json").write_text(json.dumps(info))
+        manifest = {
+            "format": FORMAT,
+            "step": state.step,
+            "steps": state.steps,
+            "run_id": state.run_id,
+            "files": {name: sha256_file(tmp / name) for name in FILES},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def load(path: Path, steps: int) -> TrainState | None:
+    """The checkpoint at `path` if there is a valid one for `steps` total steps, else None; a checkpoint
+    that fails its manifest is refused with one printed line (and never used)."""
+    mf = path / MANIFEST
+    if not mf.is_file():
+        return None
+
+    def refuse(why: str) -> None:
+        print(f"resume checkpoint {path}: {why}; ignoring it, training from scratch")
+
+    try:
+        manifest = json.loads(mf.read_text())
+        files, step = manifest["files"], int(manifest["step"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return refuse(f"{MANIFEST} is unreadable (corrupted)")
+    if manifest.get("format") != FORMAT or sorted(files) != sorted(FILES):
+        return refuse(f"format {manifest.get('format')} is not this trainer's ({FORMAT})")
+    if manifest.get("steps") != steps or not 0 < step <= steps:
+        return refuse(f"written at step {step} of {manifest.get('steps')}, not of {steps} steps")
+    bad = mismatched_file(path, files)
+    if bad is not None:
+        return refuse(f"{bad} does not match its manifest hash (corrupted or truncated)")
+    try:
+        opt: dict[int, dict[str, torch.Tensor]] = {}
+        for name, t in load_file(str(path / "optimizer.safetensors")).items():
+            index, key = name.split(".", 1)
+            opt.setdefault(int(index), {})[key] = t
+        data = load_file(str(path / "data.safetensors"))
+        info = json.loads((path / "state.json").read_text())
+        return TrainState(
+            step=step,
+            steps=steps,
+            model=load_file(str(path / "model.safetensors")),
+            optimizer=opt,
+            order=data["order"],
+            cursor=int(info["cursor"]),
+            generator=data["generator"],
+            log_every=int(info["log_every"]),
+            window=info["window"],
+            history=[(int(s), m) for s, m in info["history"]],
+            run_id=manifest.get("run_id"),
+        )
+    except (SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        return refuse(f"unreadable ({type(exc).__name__}: {exc})")
+
+
+def discard(path: Path) -> None:
+    """Remove the checkpoint (its run finished: the drafter is in MLflow)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class StopRequest:
+    """Ctrl-C while training: the trainer finishes its step, writes a checkpoint and raises
+    KeyboardInterrupt, so nothing computed is lost; a second Ctrl-C interrupts at once. Only in the
+    main thread and where Ctrl-C has Python's default handler (elsewhere, signals stay as they are)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\ninterrupt: stopping after this step (a resume checkpoint is written); Ctrl-C again to stop now")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        active = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+        if not active:
+            yield self
+            return
+        signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
