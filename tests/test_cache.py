@@ -1,13 +1,20 @@
-"""The hidden-state cache: computed once, verified by content hash, reused without a target forward."""
+"""The hidden-state cache: computed once, verified by content hash, reused without a target forward; two
+processes that need the same entry (or the same target) at once build it once."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from lab.config import aux_layers
-from lab.data.cache import MANIFEST, build_or_load
+from lab.data.cache import MANIFEST, _verify, build_or_load
+from lab.target.build import BUILD_INFO
 
 
 def _count_forwards(model):
@@ -55,3 +62,84 @@ def test_key_depends_on_aux_layers(micro_cfg, micro_target, micro_sequences, tmp
     a = build_or_load(micro_target, seqs, micro_cfg.data, [1, 2, 3], tmp_path, progress=False)
     b = build_or_load(micro_target, seqs, micro_cfg.data, [0, 2, 3], tmp_path, progress=False)
     assert a.path != b.path and not b.stats["hit"]
+
+
+# Run by each of two processes at once: set up, wait until both are ready, then build the same entry
+# under `shared`, and report whether this process built it (and what it got).
+_RACER = """
+import json, sys, time
+from pathlib import Path
+from lab.config import aux_layers, compose
+
+what, out, shared, overrides = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+cfg = compose(overrides)
+if what == "hidden":
+    from safetensors.torch import save_file
+    from lab.data.cache import build_or_load
+    from lab.data.text import training_sequences
+    from lab.target import load
+
+    target = load(cfg, progress=False)
+    seqs = training_sequences(target.tokenizer, cfg.data)[0]
+    build = lambda: build_or_load(target, seqs, cfg.data, aux_layers(cfg), shared, progress=False)
+else:
+    import lab.target.build as tb
+
+    built = []
+    train_tokenizer = tb.train_tokenizer
+    tb.train_tokenizer = lambda *a: built.append(1) or train_tokenizer(*a)  # only a builder trains one
+    build = lambda: tb.build(cfg.target, shared, progress=False)
+(out / "ready").touch()
+while len(list(out.parent.glob("*/ready"))) < 2:
+    time.sleep(0.01)
+started = time.time()
+result = build()
+report = {"started": started, "ended": time.time()}
+if what == "hidden":
+    report.update(built=not result.stats["hit"], path=str(result.path))
+    save_file({"input_ids": result.input_ids, "aux": result.aux, "final": result.final}, str(out / "got.safetensors"))
+else:
+    report.update(built=bool(built), path=str(result))
+(out / "report.json").write_text(json.dumps(report))
+"""
+
+
+def _race(what: str, overrides: list[str], shared: Path, tmp_path: Path) -> list[dict]:
+    """Two processes build the same entry under `shared` at once; their reports, with `out` added."""
+    outs = [tmp_path / f"racer{i}" for i in range(2)]
+    procs = []
+    for out in outs:
+        out.mkdir()
+        cmd = [sys.executable, "-c", _RACER, what, str(out), str(shared), json.dumps(overrides)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err.decode()[-3000:]
+    reports = [{**json.loads((out / "report.json").read_text()), "out": out} for out in outs]
+    assert sorted(r["built"] for r in reports) == [False, True]  # one built, the other did not
+    builder, waiter = sorted(reports, key=lambda r: not r["built"])
+    assert waiter["started"] < builder["ended"]  # it came while the entry was being built: it waited
+    assert reports[0]["path"] == reports[1]["path"]
+    return reports
+
+
+@pytest.mark.slow
+def test_two_processes_build_one_hidden_state_entry(micro_overrides, micro_target, tmp_path):
+    """Two `lab run`s needing the same cache entry at once: one builds it, the other waits and hits."""
+    shared = tmp_path / "shared"
+    reports = _race("hidden", micro_overrides, shared, tmp_path)
+    got = [load_file(str(r["out"] / "got.safetensors")) for r in reports]
+    assert all(torch.equal(got[0][k], got[1][k]) for k in got[0])
+    entry = Path(reports[0]["path"])
+    assert _verify(entry) is not None  # every shard matches its manifest hash
+    assert sorted(p.name for p in (shared / "hidden").iterdir()) == [entry.name, f"{entry.name}.lock"]  # no temp
+
+
+@pytest.mark.slow
+def test_two_processes_build_one_target(micro_overrides, tmp_path):
+    """The same for the target build: one trains it, the other waits and loads it."""
+    shared = tmp_path / "shared"
+    reports = _race("target", [*micro_overrides, "target.steps=3"], shared, tmp_path)
+    entry = Path(reports[0]["path"])
+    assert (entry / BUILD_INFO).is_file() and (entry / "model" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (shared / "targets").iterdir()) == [entry.name, f"{entry.name}.lock"]  # no temp
