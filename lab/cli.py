@@ -116,6 +116,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         trials=args.trials,
         progress=not args.no_progress,
     )
+    if args.workers == 0:
+        print(result.summary)
+        return 0
     c = result.counts
     print(f"\n{result.summary}")
     print(
@@ -153,9 +156,15 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     if worker:
         engine.join(sweep, extra, progress=not args.no_progress)
+        seeds = [f"--seeds {args.seeds}"] if args.seeds else []
+        overrides = [engine.redact(o) for o in extra]
+        print(f"the study is done; its report: lab report experiment={name} {' '.join(seeds + overrides)}")
         return 0
     worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
     result = engine.launch(sweep, extra, worker_args, workers=args.workers, progress=not args.no_progress)
+    if args.workers == 0:
+        print(result.summary)
+        return 0
     uri = compose([*exp.overrides, *extra]).tracking.uri
     rep = _report(exp, extra, uri, result.parent_run_id, None, args.seeds)
     print(f"\n{rep.main_table()}")
@@ -300,6 +309,20 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    cfg = compose(args.overrides)
+    from lab import track
+
+    backend, root = cfg.tracking.uri, cfg.tracking.artifact_root
+    if track.is_server(backend):
+        return _fail("tracking.uri: the server's own store is needed, e.g. postgresql://USER:PW@HOST/lab_mlflow")
+    cmd = track.server_command(backend, root, args.host, args.port, args.workers)
+    print(f"MLflow tracking server on http://{args.host}:{args.port}: store {backend}, artifacts in {root}")
+    print(f"  workers log to it with: tracking.uri=http://{args.host}:{args.port}")
+    os.execvpe(cmd[0], cmd, {**track.ui_environment(), **os.environ})
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lab",
@@ -340,7 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("overrides", nargs="*", help="[worker] sweep=NAME, then Hydra overrides for every trial")
     sweep.add_argument("--trials", type=int, help="the total trial budget (default: the spec's)")
     for study_parser in (abl, sweep):
-        study_parser.add_argument("--workers", type=int, default=1, help="trials run in parallel here (default 1)")
+        study_parser.add_argument(
+            "--workers",
+            type=int,
+            default=1,
+            help="trials run in parallel here (default 1; 0: only queue them for `worker` processes)",
+        )
         study_parser.add_argument("--no-progress", action="store_true", help="no progress bars (stage lines only)")
     target = sub.add_parser("target", help="target model commands")
     tsub = target.add_subparsers(dest="target_verb", required=True)
@@ -384,6 +412,20 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument("overrides", nargs="*")
+    server = sub.add_parser(
+        "server",
+        help="an MLflow tracking server over a database store, for workers on many machines (127.0.0.1 unless --host)",
+        description="Serve the store named by tracking.uri (a database URL such as postgresql://..., or the "
+        "local sqlite file) over HTTP, artifacts included: workers anywhere then log with "
+        "tracking.uri=http://HOST:PORT and upload their artifacts through it into tracking.artifact_root.",
+        epilog="example:\n  lab server --host 0.0.0.0 --port 5000 tracking.uri=postgresql://lab:PW@dbhost/lab_mlflow "
+        "tracking.artifact_root=/shared/mlartifacts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=5000)
+    server.add_argument("--workers", type=int, default=2, help="server processes (default 2)")
+    server.add_argument("overrides", nargs="*")
     return p
 
 
@@ -404,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         "export": lambda: cmd_export(args),
         "doctor": lambda: cmd_doctor(args.overrides),
         "ui": lambda: cmd_ui(args),
+        "server": lambda: cmd_server(args),
     }
     try:
         return handlers[args.verb]()

@@ -40,15 +40,13 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from lab import track
-from lab.config import ConfigError, compose, config_hash
+from lab.config import OPTUNA_DB_PREFIXES, ConfigError, compose, config_hash
 from lab.fsutil import file_lock
 from lab.pipeline import RunHooks
 from lab.pipeline import run as run_one
 from lab.sweep.spec import PRUNE_METRIC, Sweep, changing_results
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial prints its own line
-
-_RDB_SCHEMES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 
 
 def storage_url(cfg: DictConfig) -> str:
@@ -60,11 +58,13 @@ def storage_url(cfg: DictConfig) -> str:
 
 
 def redact(url: str) -> str:
-    """A storage URL without its password, for logs and MLflow tags."""
+    """A URL (or an override holding one) without its password, for logs and MLflow tags; libpq takes the
+    password from PGPASSWORD or ~/.pgpass when the URL has none."""
     if "://" in url and "@" in url:
         scheme, rest = url.split("://", 1)
         creds, host = rest.rsplit("@", 1)
-        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
+        if ":" in creds:
+            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
     return url
 
 
@@ -73,9 +73,11 @@ def dashboard_command(url: str) -> str:
 
 
 def _open_storage(url: str) -> optuna.storages.BaseStorage:
-    if url.startswith(_RDB_SCHEMES):
+    if url.startswith(OPTUNA_DB_PREFIXES):
         try:
-            return optuna.storages.RDBStorage(url)
+            # one cached handle for both the study and the engine's own reads and writes: a trial that another
+            # process enqueued is known to Optuna's cache only once read through it
+            return optuna.storages.get_storage(optuna.storages.RDBStorage(url))
         except Exception as exc:  # a missing driver, a refused connection: one line
             first = str(exc).splitlines()[0]
             raise ConfigError("tracking.optuna_storage", f"cannot open '{redact(url)}': {first}") from None
@@ -147,7 +149,7 @@ class Session:
     def lock(self) -> Iterator[None]:
         """Serializes topping up the queue and failing a stale trial on a journal (it has no compare-and-set
         for either; an RDB's row lock covers the latter)."""
-        if self.storage_url.startswith(_RDB_SCHEMES):
+        if self.storage_url.startswith(OPTUNA_DB_PREFIXES):
             yield
         else:
             with file_lock(Path(self.storage_url).with_suffix(".lab-lock")):
@@ -505,6 +507,27 @@ def join(
         raise ConfigError("sweep", f"study '{s.study.study_name}' has no MLflow parent run; start it with `lab sweep`")
     log(f"worker {_this_host()}:{os.getpid()} joined study {s.study.study_name} in {redact(s.storage_url)}")
     work(s, threads, progress, log)
+    # the queue is empty and no trial runs anywhere: whichever worker gets here last leaves the summary
+    finish(s, *_study_span(s))
+    track.end_run(s.uri, s.parent_run_id, "FINISHED")
+
+
+def _study_span(s: Session) -> tuple[float, int]:
+    """Seconds from the first trial's start to the last one's end, and how many workers ran trials."""
+    trials = [t for t in s.trials() if t.datetime_start and t.datetime_complete]
+    if not trials:
+        return 0.0, 0
+    span = max(t.datetime_complete for t in trials) - min(t.datetime_start for t in trials)
+    return span.total_seconds(), len({t.user_attrs.get("worker") for t in trials})
+
+
+def finish(s: Session, seconds: float, workers: int) -> str:
+    """The study's summary, totals and trial records on its parent run; returns the summary."""
+    text, metrics = summary(s, seconds, workers)
+    track.log_metrics(s.uri, s.parent_run_id, metrics)
+    track.log_dict(s.uri, s.parent_run_id, {"trials": _trial_records(s)}, "sweep/trials.json")
+    track.log_text(s.uri, s.parent_run_id, text, "sweep/summary.md")
+    return text
 
 
 def launch(
@@ -517,9 +540,10 @@ def launch(
     log: Callable[[str], None] = print,
 ) -> SweepResult:
     """Create or resume the study, top its queue up to the total budget, run `workers` workers (this
-    process and workers - 1 subprocesses `lab <worker_args> ...`) until the queue is empty, summarize."""
-    if workers < 1:
-        raise ConfigError("--workers", f"must be at least 1, got {workers}")
+    process and workers - 1 subprocesses `lab <worker_args> ...`) until the queue is empty, summarize.
+    With `workers=0` only queue: workers started elsewhere run the trials, and the last one summarizes."""
+    if workers < 0:
+        raise ConfigError("--workers", f"must be 0 (only queue the trials) or more, got {workers}")
     cfg = sweep.check(extra)  # every point composes before anything runs
     budget = sweep.budget(trials)
     s = open_session(sweep, extra, cfg, create=True)
@@ -535,7 +559,8 @@ def launch(
         "git_commit": track.git_commit(),
     }
     started = time.time()
-    with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:
+    run_name = f"sweep-{sweep.name}"
+    with track.parent_run(t.uri, t.artifact_root, sweep.experiment, run_name, name, tags, workers == 0) as parent:
         s.parent_run_id = parent.id
         parent.log_params(_spec_params(sweep, extra))
         parent.log_metrics({"sweep/budget": budget})
@@ -543,16 +568,19 @@ def launch(
         s.study.set_user_attr("sweep", sweep.name)
         added = top_up(s, budget)
         c = counts(s)
-        join_cmd = " ".join(["lab", *worker_args, *extra])
+        join_cmd = " ".join(["lab", *worker_args, *(redact(o) for o in extra)])  # logs keep no password
         log(
             f"sweep {sweep.name}: study {name} in {redact(s.storage_url)}\n"
             f"  budget {budget} trials: {c['finished']} finished, {c['waiting']} to run "
             f"({added} newly queued), {c['running']} running elsewhere; {workers} worker(s) here\n"
             f"  MLflow: experiment {sweep.experiment}, parent run {parent.id} (browse with `lab ui`)\n"
-            f"  watch:  {dashboard_command(s.storage_url)}\n"
+            f"  watch:  {dashboard_command(redact(s.storage_url))}\n"
             f"  join from another process or machine (same storage and store): {join_cmd}"
         )
         finished_before = c["finished"]
+        if workers == 0:
+            note = f"queued; the study's parent run stays RUNNING until a worker finishes its last trial: {join_cmd}"
+            return SweepResult(name, redact(s.storage_url), parent.id, budget, c, 0, 0.0, note)
         helpers = min(workers, c["waiting"]) - 1  # no more workers than queued trials
         procs = [_spawn(worker_args, extra, threads, i, log) for i in range(1, helpers + 1)]
         try:
@@ -573,10 +601,7 @@ def launch(
         c = counts(s)
         ran = c["finished"] - finished_before
         seconds = time.time() - started
-        text, metrics = summary(s, seconds, workers)
-        parent.log_metrics(metrics)
-        parent.log_dict({"trials": _trial_records(s)}, "sweep/trials.json")
-        track.log_text(t.uri, parent.id, text, "sweep/summary.md")
+        text = finish(s, seconds, workers)
     return SweepResult(name, redact(s.storage_url), parent.id, budget, c, ran, seconds, text)
 
 
@@ -644,7 +669,7 @@ def summary(s: Session, seconds: float, workers: int) -> tuple[str, dict[str, fl
         f"Optuna study `{s.study.study_name}` in `{redact(s.storage_url)}`; MLflow parent run `{s.parent_run_id}`.",
         f"Budget {s.user_attr('budget')} trials: {c['complete']} complete, {c['pruned']} pruned, "
         f"{c['failed']} failed, {c['running'] + c['waiting']} not finished. "
-        f"This invocation: {seconds / 60:.1f} min with {workers} worker(s).",
+        f"Wall time {seconds / 60:.1f} min with {workers} worker(s).",
         "",
     ]
     metrics = {

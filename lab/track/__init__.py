@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,8 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 _PARAM_BATCH = 100  # MLflow's limit per log_batch call
+# a server store makes MLflow print two "View run" links per run: the workbench prints its own lines
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 
 def local_paths(uri: str) -> Path | None:
@@ -28,6 +31,11 @@ def local_paths(uri: str) -> Path | None:
     if uri.startswith("sqlite:///"):
         return Path(uri[len("sqlite:///") :])
     return None
+
+
+def is_server(uri: str) -> bool:
+    """True for the URI of an MLflow tracking server (shared by workers on many machines)."""
+    return uri.startswith(("http://", "https://"))
 
 
 def configure(uri: str) -> None:
@@ -44,13 +52,13 @@ def ensure_experiment(name: str, artifact_root: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = None
-    if "://" not in artifact_root:
+    location = None  # a server's own artifact store: a local path would name this machine's disk
+    if "://" in artifact_root:
+        location = artifact_root
+    elif artifact_root and not is_server(mlflow.get_tracking_uri()):
         root = Path(artifact_root).resolve()
         root.mkdir(parents=True, exist_ok=True)
         location = root.as_uri()
-    elif artifact_root:
-        location = artifact_root
     try:
         return client.create_experiment(name, artifact_location=location)
     except mlflow.exceptions.MlflowException:  # created concurrently by another worker
@@ -129,8 +137,8 @@ class RunStopped(Exception):
 
 
 @contextlib.contextmanager
-def _ends_with_status() -> Iterator[None]:
-    """Ends the active run FINISHED, FAILED on an exception, KILLED on Ctrl-C or RunStopped."""
+def _ends_with_status(finished: str = "FINISHED") -> Iterator[None]:
+    """Ends the active run `finished`, FAILED on an exception, KILLED on Ctrl-C or RunStopped."""
     try:
         yield
     except RunStopped as stop:
@@ -144,7 +152,7 @@ def _ends_with_status() -> Iterator[None]:
         mlflow.end_run(status="FAILED")
         raise
     else:
-        mlflow.end_run(status="FINISHED")
+        mlflow.end_run(status=finished)
 
 
 @contextlib.contextmanager
@@ -172,9 +180,16 @@ def start_run(
 
 @contextlib.contextmanager
 def parent_run(
-    uri: str, artifact_root: str, experiment: str, run_name: str, key: str, tags: dict[str, Any]
+    uri: str,
+    artifact_root: str,
+    experiment: str,
+    run_name: str,
+    key: str,
+    tags: dict[str, Any],
+    keep_running: bool = False,
 ) -> Iterator[Run]:
-    """The parent run of a study, resumed if one with the same `key` exists (rerunning continues it)."""
+    """The parent run of a study, resumed if one with the same `key` exists (rerunning continues it).
+    With `keep_running` it stays RUNNING on success: workers started elsewhere finish the study (`end_run`)."""
     configure(uri)
     exp_id = ensure_experiment(experiment, artifact_root)
     found = MlflowClient().search_runs(
@@ -186,7 +201,7 @@ def parent_run(
         mlflow.set_tags(all_tags)
     else:
         active = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags)
-    with _ends_with_status():
+    with _ends_with_status("RUNNING" if keep_running else "FINISHED"):
         yield Run(active.info.run_id)
 
 
@@ -204,6 +219,9 @@ def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[
 def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
     """Parent runs of the studies of sweep or experiment `sweep` in MLflow experiment `experiment`,
     newest first (one per set of result-changing overrides)."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        return []  # nothing recorded yet; reading must not create an empty store
     configure(uri)
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment)
@@ -213,9 +231,17 @@ def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
     return client.search_runs([exp.experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
 
 
+def _existing_store(uri: str) -> None:
+    """ValueError when a local store does not exist: reading it must not create an empty one."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        raise ValueError(f"tracking.uri: no MLflow store at {db} (expected the store that recorded the runs)")
+    configure(uri)
+
+
 def get_run(uri: str, run_id: str) -> Any:
     """A run by id; ValueError naming the id when the store has no such run."""
-    configure(uri)
+    _existing_store(uri)
     try:
         return MlflowClient().get_run(run_id)
     except mlflow.exceptions.MlflowException:
@@ -241,6 +267,21 @@ def end_run(uri: str, run_id: str, status: str, tags: dict[str, Any] | None = No
             client.set_terminated(run_id, status=status)
 
 
+def log_metrics(uri: str, run_id: str, metrics: dict[str, float]) -> None:
+    """Scalar metrics on any run, active or ended (e.g. a study's totals on its parent)."""
+    import time
+
+    configure(uri)
+    now = int(time.time() * 1000)
+    MlflowClient().log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()])
+
+
+def log_dict(uri: str, run_id: str, data: dict, name: str) -> None:
+    """A JSON artifact on any run, active or ended."""
+    configure(uri)
+    MlflowClient().log_dict(run_id, data, name)
+
+
 def log_text(uri: str, run_id: str, text: str, name: str) -> None:
     """A text artifact on any run, active or ended (e.g. a study's summary on its parent run)."""
     configure(uri)
@@ -255,7 +296,7 @@ def log_artifacts(uri: str, run_id: str, folder: str | Path, artifact_path: str)
 
 def run_checkpoint(uri: str, run_id: str, dst: str | Path) -> tuple[Path, dict[str, str]]:
     """The drafter checkpoint logged by run `run_id`, downloaded into `dst`, and the run's tags."""
-    configure(uri)
+    _existing_store(uri)
     client = MlflowClient()
     try:
         run = client.get_run(run_id)
@@ -321,6 +362,35 @@ def ui_environment() -> dict[str, str]:
     """Environment for the UI server: without MLflow 3's job runner (GenAI scorers), which starts eight
     worker processes that keep two cores busy while the workbench has no job for them."""
     return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def server_command(
+    backend_uri: str, artifacts_destination: str, host: str = "127.0.0.1", port: int = 5000, workers: int = 2
+) -> list[str]:
+    """`mlflow server` over a database backend store, serving artifacts itself: clients on other machines
+    log to `http://HOST:PORT` and upload their artifacts through it into `artifacts_destination`."""
+    destination = artifacts_destination
+    if "://" not in destination:
+        root = Path(destination).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        destination = root.as_uri()
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        backend_uri,
+        "--serve-artifacts",
+        "--artifacts-destination",
+        destination,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
 
 
 def ui_command(uri: str, artifact_root: str, host: str = "127.0.0.1", port: int = 5000) -> list[str]:
