@@ -323,3 +323,37 @@ def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
         pair = [t for t in trials if t.user_attrs["point"] == point]
         assert pair[0].params == pair[1].params and pair[0].user_attrs["arm"] == pair[1].user_attrs["arm"]
     assert len({t.params["train.lr"] for t in trials}) == 2  # two points, each run twice
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path, "ctrlc", "space: {train.lr: [0.003, 0.005]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
+    )
+    sweep, extra = spec.load(str(path)), [*_store(tmp_path, micro_overrides), "train.steps=40"]
+    cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
+    log = tmp_path / "ctrlc.log"
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 600
+    try:
+        while "): train" not in log.read_text():  # inside the first trial's training
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
+        assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert log.read_text().strip().splitlines()[-1] == "error: interrupted"
+    stopped = _study(sweep, extra).trials
+    assert [t.state.name for t in stopped] == ["FAIL", "WAITING", "WAITING"]  # the interrupted one queued again
+    assert stopped[0].user_attrs["error"] == "interrupted" and stopped[2].params == stopped[0].params
+    killed_run = stopped[0].user_attrs["mlflow_run_id"]
+
+    resumed = _launch(sweep, extra)
+    study = _study(sweep, extra)
+    assert resumed.counts["complete"] == 2 and sorted(_slots(study)) == [(0, 0), (1, 0)]
+    runs = {r.info.run_id: r for r in _children(extra, resumed.parent_run_id)}
+    assert runs[killed_run].info.status == "KILLED" and len(runs) == 3
+    assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "FINISHED", "KILLED"]
