@@ -357,3 +357,19 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     runs = {r.info.run_id: r for r in _children(extra, resumed.parent_run_id)}
     assert runs[killed_run].info.status == "KILLED" and len(runs) == 3
     assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "FINISHED", "KILLED"]
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_fails_its_trial_with_the_reason_and_the_sweep_goes_on(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path, "nan", "space: {train.lr: [1.0e30, 0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    result = _launch(sweep, extra)
+    blown, good = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
+    assert (blown.state.name, good.state.name) == ("FAIL", "COMPLETE") and result.counts["failed"] == 1
+    assert blown.user_attrs["error"].startswith("FloatingPointError: non-finite training loss at step")
+    run = next(r for r in _children(extra, result.parent_run_id) if r.info.run_id == blown.user_attrs["mlflow_run_id"])
+    assert run.info.status == "FAILED" and run.data.tags["error"] == blown.user_attrs["error"]
+    assert blown.number not in engine._retried(_study(sweep, extra).trials)  # a deterministic failure is not retried
+    assert _launch(sweep, extra).ran == 0  # nor rerun by a rerun
