@@ -65,7 +65,10 @@ def cmd_run(overrides: list[str]) -> int:
     _reachable(cfg.tracking.uri)
     from lab.pipeline import run
 
-    result = run(cfg)
+    try:
+        result = run(cfg)
+    except FloatingPointError as exc:  # an expected outcome of a bad setting, not a bug: no traceback
+        return _fail(f"training diverged: {exc} (the MLflow run ended FAILED with this as its tag `error`)", 1)
     shown = {
         k: v
         for k, v in result.metrics.items()

@@ -578,6 +578,7 @@ def config_hash(cfg: DictConfig) -> str:
     data = to_container(cfg)
     for key in ("tracking", "study", "arm", "cache_dir", "threads"):
         data.pop(key, None)
+    data.get("train", {}).pop("checkpoint_every", None)  # how often progress is saved, not what is computed
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 

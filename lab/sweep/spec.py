@@ -39,7 +39,7 @@ DIRECTIONS = ("maximize", "minimize")
 REDUCTIONS = ("last", "mean", "max", "min")  # how a curve (a metric logged per step) becomes one value
 PRUNE_METRIC = "train/simulated_acc_len"
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
-_PLACEMENT = ("tracking.", "threads=", "cache_dir=")
+_PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
 
 
 @dataclass
