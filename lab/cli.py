@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from lab.config import ConfigError, compose
+from lab.config import ConfigError, compose, redact
 
 EPILOG = """examples:
   lab run                                   # defaults: tiny_code target, EAGLE-3, TTT length 3
@@ -160,7 +160,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if worker:
         engine.join(sweep, extra, progress=not args.no_progress)
         seeds = [f"--seeds {args.seeds}"] if args.seeds else []
-        overrides = [engine.redact(o) for o in extra]
+        overrides = [redact(o) for o in extra]
         print(f"the study is done; its report: lab report experiment={name} {' '.join(seeds + overrides)}")
         return 0
     worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
@@ -320,7 +320,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     if track.is_server(backend):
         return _fail("tracking.uri: the server's own store is needed, e.g. postgresql://USER:PW@HOST/lab_mlflow")
     cmd = track.server_command(backend, root, args.host, args.port, args.workers)
-    print(f"MLflow tracking server on http://{args.host}:{args.port}: store {backend}, artifacts in {root}")
+    print(f"MLflow tracking server on http://{args.host}:{args.port}: store {redact(backend)}, artifacts in {root}")
     print(f"  workers log to it with: tracking.uri=http://{args.host}:{args.port}")
     os.execvpe(cmd[0], cmd, {**track.ui_environment(), **os.environ})
     return 0

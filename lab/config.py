@@ -443,8 +443,9 @@ _STORAGE_EXPECTED = (
 )
 
 
-def _redact(url: str) -> str:
-    """`url` without its password: error messages end up in logs and terminals."""
+def redact(url: str) -> str:
+    """`url` (or any text holding one, such as an override) without its password: messages and printed
+    commands end up in logs and terminals; libpq takes the password from PGPASSWORD or ~/.pgpass."""
     return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
 
 
@@ -454,7 +455,7 @@ def _validate_tracking(t: DictConfig) -> None:
     uri = str(t.uri)
     if uri.startswith("sqlite:"):
         if not uri.startswith("sqlite:///") or not uri[len("sqlite:///") :]:
-            raise ConfigError("tracking.uri", f"'{_redact(uri)}' names no database file; {_URI_EXPECTED}")
+            raise ConfigError("tracking.uri", f"'{redact(uri)}' names no database file; {_URI_EXPECTED}")
     elif uri.startswith(("http://", "https://")):
         from urllib.parse import urlsplit
 
@@ -464,11 +465,11 @@ def _validate_tracking(t: DictConfig) -> None:
         except ValueError:  # a port that is not a number
             ok = False
         if not ok:
-            raise ConfigError("tracking.uri", f"'{_redact(uri)}' is not a server address; {_URI_EXPECTED}")
+            raise ConfigError("tracking.uri", f"'{redact(uri)}' is not a server address; {_URI_EXPECTED}")
     elif not uri.startswith("file:"):
         dialect = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else None
         if dialect not in MLFLOW_DB_DIALECTS or _db_url_problem(uri):
-            raise ConfigError("tracking.uri", f"'{_redact(uri)}' is not a store MLflow can open; {_URI_EXPECTED}")
+            raise ConfigError("tracking.uri", f"'{redact(uri)}' is not a store MLflow can open; {_URI_EXPECTED}")
     storage = t.optuna_storage
     if not storage:
         return

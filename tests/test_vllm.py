@@ -142,6 +142,7 @@ def test_vllm_honours_each_eagle31_toggle(toggle, micro_target, trained_eagle31,
     if toggle == "fc_norm":  # the per-layer norm weights go with the toggle
         state = load_file(str(ckpt / "model.safetensors"))
         save_file({k: v for k, v in state.items() if not k.startswith("fc_norm.")}, str(ckpt / "model.safetensors"))
+        (ckpt / "lab_manifest.json").unlink()  # edited by hand: its hashes no longer hold
     switched = load_checkpoint(ckpt)
     assert getattr(switched.spec, toggle) in ("none", False)
 
@@ -166,6 +167,7 @@ def test_plain_eagle3_checkpoint_loads_and_evaluates_unchanged(micro_target, tra
     (plain / "config.json").write_text(json.dumps(config))
     state = load_file(str(plain / "model.safetensors"))
     save_file({k.replace("layers.0.", "midlayer."): v for k, v in state.items()}, str(plain / "model.safetensors"))
+    (plain / "lab_manifest.json").unlink()  # other trainers write none
 
     loaded = load_checkpoint(plain)
     for name, tensor in drafter.state_dict().items():

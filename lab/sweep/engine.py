@@ -40,7 +40,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from lab import track
-from lab.config import OPTUNA_DB_PREFIXES, ConfigError, compose, config_hash
+from lab.config import OPTUNA_DB_PREFIXES, ConfigError, compose, config_hash, redact
 from lab.fsutil import file_lock
 from lab.pipeline import RunHooks
 from lab.pipeline import run as run_one
@@ -55,17 +55,6 @@ def storage_url(cfg: DictConfig) -> str:
         return str(cfg.tracking.optuna_storage)
     db = track.local_paths(cfg.tracking.uri)
     return str((db.parent if db else Path("mlruns")) / "optuna.journal")
-
-
-def redact(url: str) -> str:
-    """A URL (or an override holding one) without its password, for logs and MLflow tags; libpq takes the
-    password from PGPASSWORD or ~/.pgpass when the URL has none."""
-    if "://" in url and "@" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        if ":" in creds:
-            return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}"
-    return url
 
 
 def dashboard_command(url: str) -> str:
