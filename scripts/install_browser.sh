@@ -9,15 +9,5 @@ if [[ -x /usr/bin/chromium && -x /usr/bin/chromedriver ]]; then
     exit 0
 fi
 
-if [[ $(id -u) -eq 0 ]]; then
-    sudo=""
-elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-    sudo="sudo -n"
-else
-    echo "install_browser.sh: needs root or passwordless sudo to apt-get install chromium chromium-driver" >&2
-    exit 1
-fi
-
-$sudo apt-get update -qq
-$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver
+bash "$(dirname "$0")/apt_install.sh" chromium chromium-driver
 echo "installed: $(/usr/bin/chromium --version 2>/dev/null | head -n1)"

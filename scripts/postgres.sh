@@ -49,17 +49,8 @@ install)
         echo "PostgreSQL server already installed: $(ls -d /usr/lib/postgresql/*/ 2>/dev/null | tr '\n' ' ')"
         exit 0
     fi
-    if [[ $(id -u) -eq 0 ]]; then
-        sudo=""
-    elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
-        sudo="sudo -n"
-    else
-        echo "postgres.sh: needs root or passwordless sudo to apt-get install postgresql" >&2
-        exit 1
-    fi
-    $sudo apt-get update -qq
-    # policy-rc.d in containers keeps Debian's own cluster from starting; this script never uses it
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    # Debian may also create (and, outside containers, start) its own cluster on 5432: never used here
+    bash "$(dirname "$0")/apt_install.sh" postgresql
     echo "installed: $(ls -d /usr/lib/postgresql/*/bin | tr '\n' ' ')"
     ;;
 start)
