@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from lab.config import ConfigError, compose, redact
+from lab.config import ConfigError, check_vllm_servable, compose, redact
 
 EPILOG = """examples:
   lab run                                   # defaults: tiny_code target, EAGLE-3, TTT length 3
@@ -62,6 +62,7 @@ def _study_reachable(sweep, extra: list[str]) -> None:
 
 def cmd_run(overrides: list[str]) -> int:
     cfg = compose(overrides)
+    check_vllm_servable(cfg)
     _reachable(cfg.tracking.uri)
     from lab.pipeline import run
 

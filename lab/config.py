@@ -414,16 +414,6 @@ def _validate_backends(cfg: DictConfig) -> None:
     if not v.concurrency or any(not isinstance(c, int) or c < 1 for c in v.concurrency):
         raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
     _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
-    d = cfg.drafter
-    # the pipeline would skip vLLM for such a drafter after training; asked for explicitly, refuse up front
-    # (the same rule as lab.drafter.formats.vllm_incompatibility)
-    if "vllm" in backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
-        raise ConfigError(
-            "eval.backends",
-            f"'vllm' cannot serve drafter.norm_type={d.norm_type.value} with drafter.fc_norm={d.fc_norm.value} "
-            "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm, "
-            "or eval.backends=[ref]",
-        )
     for name in v.throughput_suites or []:
         if name not in cfg.eval.suites:
             evaluated = ", ".join(cfg.eval.suites)
@@ -502,6 +492,20 @@ def _db_url_problem(url: str) -> str | None:
     except (ArgumentError, ValueError) as exc:
         return " ".join(str(exc).split())
     return None
+
+
+def check_vllm_servable(cfg: DictConfig) -> None:
+    """`lab run` asking vLLM for a drafter it cannot serve is refused before training (the same rule as
+    lab.drafter.formats.vllm_incompatibility). A study is not: there the arm is evaluated by the reference
+    backend only and tagged `vllm_skipped`, so that its other arms still get vLLM's numbers."""
+    d = cfg.drafter
+    if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
+        raise ConfigError(
+            "eval.backends",
+            f"'vllm' cannot serve drafter.norm_type={d.norm_type.value} with drafter.fc_norm={d.fc_norm.value} "
+            "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm, "
+            "or eval.backends=[ref]",
+        )
 
 
 def _validate_suites(cfg: DictConfig) -> None:

@@ -127,3 +127,12 @@ def test_cli_exits_2_with_one_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: drafter.fc_norm"), proc.stderr
     assert not (tmp_path / "mlruns").exists()  # nothing was started
+
+
+def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
+    from lab.config import check_vllm_servable
+
+    cfg = compose(["drafter=eagle31", "drafter.norm_type=layernorm", "eval.backends=[ref,vllm]"])  # a study's arm
+    with pytest.raises(ConfigError, match="^eval.backends: 'vllm' cannot serve drafter.norm_type=layernorm"):
+        check_vllm_servable(cfg)
+    check_vllm_servable(compose(["drafter=eagle31", "eval.backends=[ref,vllm]"]))
