@@ -373,3 +373,21 @@ def test_a_non_finite_loss_fails_its_trial_with_the_reason_and_the_sweep_goes_on
     assert run.info.status == "FAILED" and run.data.tags["error"] == blown.user_attrs["error"]
     assert blown.number not in engine._retried(_study(sweep, extra).trials)  # a deterministic failure is not retried
     assert _launch(sweep, extra).ran == 0  # nor rerun by a rerun
+
+
+@pytest.mark.slow
+def test_queue_only_then_a_worker_finishes_the_study_and_ends_its_parent(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path, "queue", "space: {train.lr: [0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    queued = _launch(sweep, extra, workers=0)
+    assert queued.counts["waiting"] == 1 and queued.ran == 0 and "stays RUNNING" in queued.summary
+    assert track.get_run(_uri(extra), queued.parent_run_id).info.status == "RUNNING"
+
+    engine.join(sweep, extra, progress=False)  # `lab sweep worker`, started on its own
+    parent = track.get_run(_uri(extra), queued.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/complete"] == 1
+    again = _launch(sweep, extra, workers=0)  # nothing left to queue: the parent does not stay open
+    assert again.counts["complete"] == 1 and "1 complete" in again.summary
+    assert track.get_run(_uri(extra), queued.parent_run_id).info.status == "FINISHED"

@@ -548,8 +548,7 @@ def launch(
         "git_commit": track.git_commit(),
     }
     started = time.time()
-    run_name = f"sweep-{sweep.name}"
-    with track.parent_run(t.uri, t.artifact_root, sweep.experiment, run_name, name, tags, workers == 0) as parent:
+    with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:
         s.parent_run_id = parent.id
         parent.log_params(_spec_params(sweep, extra))
         parent.log_metrics({"sweep/budget": budget})
@@ -567,7 +566,10 @@ def launch(
             f"  join from another process or machine (same storage and store): {join_cmd}"
         )
         finished_before = c["finished"]
+        if workers == 0 and c["waiting"] + c["running"] == 0:  # nothing to run: the parent ends now
+            return SweepResult(name, redact(s.storage_url), parent.id, budget, c, 0, 0.0, finish(s, *_study_span(s)))
         if workers == 0:
+            parent.end_status = "RUNNING"  # the last worker to finish ends it
             note = f"queued; the study's parent run stays RUNNING until a worker finishes its last trial: {join_cmd}"
             return SweepResult(name, redact(s.storage_url), parent.id, budget, c, 0, 0.0, note)
         helpers = min(workers, c["waiting"]) - 1  # no more workers than queued trials

@@ -88,6 +88,9 @@ class Run:
 
     def __init__(self, run_id: str):
         self.id = run_id
+        # the status it ends with when its block succeeds; a study's parent set to RUNNING stays open for
+        # workers started elsewhere, the last of which ends it (`end_run`)
+        self.end_status = "FINISHED"
         self._client = MlflowClient()
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -137,10 +140,10 @@ class RunStopped(Exception):
 
 
 @contextlib.contextmanager
-def _ends_with_status(finished: str = "FINISHED") -> Iterator[None]:
-    """Ends the active run `finished`, FAILED on an exception, KILLED on Ctrl-C or RunStopped."""
+def _ends_with_status(run: Run) -> Iterator[Run]:
+    """Ends the active run with `run.end_status`, FAILED on an exception, KILLED on Ctrl-C or RunStopped."""
     try:
-        yield
+        yield run
     except RunStopped as stop:
         mlflow.set_tag("stopped", str(stop))
         mlflow.end_run(status="KILLED")
@@ -152,7 +155,7 @@ def _ends_with_status(finished: str = "FINISHED") -> Iterator[None]:
         mlflow.end_run(status="FAILED")
         raise
     else:
-        mlflow.end_run(status=finished)
+        mlflow.end_run(status=run.end_status)
 
 
 @contextlib.contextmanager
@@ -174,8 +177,8 @@ def start_run(
         parent_run_id=parent_run_id,
         tags={k: str(v) for k, v in tags.items()},
     )
-    with _ends_with_status():
-        yield Run(active.info.run_id)
+    with _ends_with_status(Run(active.info.run_id)) as run:
+        yield run
 
 
 @contextlib.contextmanager
@@ -186,10 +189,8 @@ def parent_run(
     run_name: str,
     key: str,
     tags: dict[str, Any],
-    keep_running: bool = False,
 ) -> Iterator[Run]:
-    """The parent run of a study, resumed if one with the same `key` exists (rerunning continues it).
-    With `keep_running` it stays RUNNING on success: workers started elsewhere finish the study (`end_run`)."""
+    """The parent run of a study, resumed if one with the same `key` exists (rerunning continues it)."""
     configure(uri)
     exp_id = ensure_experiment(experiment, artifact_root)
     found = MlflowClient().search_runs(
@@ -201,8 +202,8 @@ def parent_run(
         mlflow.set_tags(all_tags)
     else:
         active = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags)
-    with _ends_with_status("RUNNING" if keep_running else "FINISHED"):
-        yield Run(active.info.run_id)
+    with _ends_with_status(Run(active.info.run_id)) as run:
+        yield run
 
 
 def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[Any]:
