@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from lab.data.text import Sequences
-from lab.fsutil import file_lock, sha256_file, short_hash, staging_dir
+from lab.fsutil import file_lock, mismatched_file, sha256_file, short_hash, staging_dir
 from lab.target import Target, capture
 
 MANIFEST = "manifest.json"
@@ -56,11 +56,10 @@ def _verify(path: Path) -> dict | None:
         manifest = json.loads(mf.read_text())
     except json.JSONDecodeError:
         return None
-    for shard in manifest["shards"]:
-        f = path / shard["file"]
-        if not f.is_file() or sha256_file(f) != shard["sha256"]:
-            print(f"hidden-state cache: {f} is missing or does not match its manifest hash; rebuilding")
-            return None
+    bad = mismatched_file(path, {shard["file"]: shard["sha256"] for shard in manifest["shards"]})
+    if bad is not None:
+        print(f"hidden-state cache: {path / bad} is missing or does not match its manifest hash; rebuilding")
+        return None
     return manifest
 
 
