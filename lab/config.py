@@ -347,8 +347,10 @@ def validate(cfg: DictConfig) -> None:
     )
     if cfg.drafter.draft_vocab_size is not None and cfg.drafter.draft_vocab_size < 2:
         raise ConfigError("drafter.draft_vocab_size", f"must be >= 2 or null, got {cfg.drafter.draft_vocab_size}")
-    if cfg.train.backend != "native":
-        raise ConfigError("train.backend", f"'{cfg.train.backend}' is not available; allowed: native")
+    if cfg.train.backend not in TRAIN_BACKENDS:
+        raise ConfigError("train.backend", f"unknown '{cfg.train.backend}'; allowed: {', '.join(TRAIN_BACKENDS)}")
+    if cfg.train.backend == "torchspec":
+        _validate_torchspec(cfg)
     if not 0 < cfg.train.step_weight <= 1:
         raise ConfigError("train.step_weight", f"must be in (0, 1], got {cfg.train.step_weight}")
     if cfg.target.kind == TargetKind.build:
@@ -398,6 +400,32 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     if cfg.eval.temperature < 0:
         raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
+
+
+TRAIN_BACKENDS = ("native", "torchspec")
+TORCHSPEC_INSTALL = (
+    "install it from source (it is not on PyPI): pip install --no-deps "
+    "'torchspec @ git+https://github.com/torchspec-project/TorchSpec' && pip install wandb ray datasets"
+)
+
+
+def _validate_torchspec(cfg: DictConfig) -> None:
+    """TorchSpec's EAGLE-3 drafter is one layer whose fc norms are RMSNorm, one per captured layer."""
+    d = cfg.drafter
+    if d.num_layers != 1:
+        raise ConfigError(
+            "drafter.num_layers", f"train.backend=torchspec trains 1-layer drafters only, got {d.num_layers}"
+        )
+    if d.fc_norm == FcNorm.concat:
+        raise ConfigError("drafter.fc_norm", "train.backend=torchspec has no concat fc norm; allowed: none, per_layer")
+    if d.fc_norm != FcNorm.none and d.norm_type != NormType.rmsnorm:
+        raise ConfigError("drafter.norm_type", "train.backend=torchspec has RMSNorm fc norms only; allowed: rmsnorm")
+    try:
+        importlib.import_module("torchspec.models.eagle3")
+    except ImportError as exc:
+        raise ConfigError(
+            "train.backend", f"torchspec: TorchSpec is not importable ({exc}); {TORCHSPEC_INSTALL}"
+        ) from None
 
 
 BACKENDS = ("ref", "vllm")

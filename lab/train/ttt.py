@@ -9,6 +9,7 @@ the projected target features, later steps from its own feedback); step i's loss
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,6 +145,16 @@ def ttt_loss(
     return StepStats(loss, plosses, accs)
 
 
+def loss_function(drafter: Eagle3Drafter, tcfg: DictConfig) -> Callable[..., StepStats]:
+    """`ttt_loss` bound to `drafter`, computed by the configured backend: ours, or TorchSpec's
+    drafter and loss over the same weights (lab/train/torchspec.py)."""
+    if tcfg.backend == "torchspec":
+        from lab.train.torchspec import TorchSpecTTT
+
+        return TorchSpecTTT.for_drafter(drafter, tcfg.ttt_length).loss
+    return functools.partial(ttt_loss, drafter)
+
+
 def simulated_acc_len(accs: list[float]) -> float:
     """sum over k of prod_{j<=k} acc_j (design.md)."""
     total, running = 0.0, 1.0
@@ -199,6 +210,7 @@ def train(
             if log is not None:
                 log(metrics, step)
             last = metrics
+    batch_loss = loss_function(drafter, tcfg)
     drafter.train()
     window_tokens, window_start = 0, time.time()
     started = time.time()
@@ -206,7 +218,8 @@ def train(
         range(start, tcfg.steps),
         initial=start,
         total=tcfg.steps,
-        desc=f"train {drafter.spec.fc_norm}/{drafter.spec.norm_output}",
+        desc=f"train {drafter.spec.fc_norm}/{drafter.spec.norm_output}"
+        + (" (torchspec)" if tcfg.backend == "torchspec" else ""),
         unit="step",
         disable=not progress,
     )
@@ -220,8 +233,7 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
-                stats = ttt_loss(
-                    drafter,
+                stats = batch_loss(
                     data.input_ids[idx],
                     data.aux[idx],
                     data.final[idx],

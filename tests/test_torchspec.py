@@ -1,0 +1,231 @@
+"""`train.backend=torchspec`, and parity of the native drafter and TTT loss with TorchSpec's.
+
+The parity tests need TorchSpec (not on PyPI) and are skipped without it; the README's section
+"TorchSpec" says how to install it and run them. TorchSpec's drafter is built here from the checkpoint
+that `save_native` writes (its own config reader and key map), not from our module, so the tests also
+check that our checkpoints load into TorchSpec unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lab.config import ConfigError, compose
+from lab.data.cache import HiddenStates
+from lab.drafter import DrafterSpec, Eagle3Drafter, save_native
+from lab.train.ttt import train, ttt_loss
+
+
+def _torchspec_importable() -> bool:
+    try:
+        importlib.import_module("torchspec.models.eagle3")
+    except ImportError:
+        return False
+    return True
+
+
+HAVE_TORCHSPEC = _torchspec_importable()
+needs_torchspec = pytest.mark.skipif(
+    not HAVE_TORCHSPEC,
+    reason="TorchSpec is not installed: the parity tests need it (README, section TorchSpec, says how to run them)",
+)
+
+VOCAB, HIDDEN, AUX_SCALES = 96, 64, (1.0, 4.0, 16.0)  # captured layers at different scales, as in a real target
+
+
+def _drafter(fc_norm: str, norm_output: bool, draft_vocab: int | None = None, seed: int = 0) -> Eagle3Drafter:
+    spec = DrafterSpec(
+        hidden_size=HIDDEN,
+        target_hidden_size=HIDDEN,
+        aux_layer_ids=[1, 2, 3],
+        vocab_size=VOCAB,
+        draft_vocab_size=draft_vocab,
+        num_heads=2,
+        num_kv_heads=1,  # grouped-query attention, as in real drafters
+        head_dim=32,
+        intermediate_size=96,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+    )
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(spec)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            # norms away from 1 and weights away from init, so that a missing or misplaced norm shows
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+        if draft_vocab:
+            ids = torch.randperm(VOCAB)[:draft_vocab].sort().values
+            drafter.d2t.copy_(ids - torch.arange(draft_vocab))
+    return drafter
+
+
+def _batch(seed: int = 1, b: int = 2, t: int = 24):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    aux = torch.cat([torch.randn(b, t, HIDDEN, generator=g) * s for s in AUX_SCALES], dim=-1)
+    final = torch.randn(b, t, HIDDEN, generator=g)
+    lm_head = torch.randn(VOCAB, HIDDEN, generator=g) * 0.3
+    loss_mask = (torch.rand(b, t, generator=g) > 0.25).to(torch.uint8)
+    return input_ids, aux, final, lm_head, loss_mask
+
+
+def _torchspec_drafter(drafter: Eagle3Drafter, tmp_path):
+    """TorchSpec's drafter loaded from our exported checkpoint by TorchSpec's own config and key map."""
+    from safetensors.torch import load_file
+    from torchspec import AutoDraftModelConfig, AutoEagle3DraftModel
+    from torchspec.models.draft.keymap import to_internal_keys
+
+    path = save_native(drafter, tmp_path / "ckpt")
+    model = AutoEagle3DraftModel.from_config(AutoDraftModelConfig.from_file(str(path / "config.json")))
+    state = to_internal_keys(load_file(str(path / "model.safetensors")), model.state_dict().keys())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"t2d"}, (missing, unexpected)
+    if "t2d" in missing:  # our checkpoints carry d2t only, as vLLM reads them; t2d is its inverse
+        model.t2d.zero_()
+        model.t2d[drafter.draft_token_ids()] = True
+    return model.float()
+
+
+COMBOS = [("none", False), ("per_layer", False), ("none", True), ("per_layer", True)]
+
+
+@needs_torchspec
+@pytest.mark.parametrize(("fc_norm", "norm_output"), COMBOS)
+def test_forward_parity(fc_norm, norm_output, tmp_path):
+    """Step by step: the projected features, every step's logits and the hidden state fed to the next
+    step equal TorchSpec's, for each combination of the two EAGLE 3.1 changes."""
+    from lab.train.torchspec import TorchSpecTTT
+
+    length = 4
+    drafter = _drafter(fc_norm, norm_output)
+    theirs = _torchspec_drafter(drafter, tmp_path)
+    assert (theirs.fc_norm is not None) == (fc_norm == "per_layer") and theirs.norm_output == norm_output
+    input_ids, aux, final, lm_head, loss_mask = _batch()
+
+    fed, out = [], []
+    theirs.midlayer.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["hidden_states"]), with_kwargs=True)
+    theirs.midlayer.register_forward_hook(lambda m, a, kw, o: out.append(o[0]), with_kwargs=True)
+    with torch.no_grad():
+        TorchSpecTTT(theirs, length).forward(input_ids, aux, final, lm_head, loss_mask)
+        shifted = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
+        ours = drafter.unroll(shifted, aux, length)
+        projected = drafter.project(aux)
+        assert len(out) == len(ours) == length
+        torch.testing.assert_close(fed[0], projected, rtol=1e-5, atol=1e-5)
+        for step in range(length):
+            torch.testing.assert_close(out[step], ours[step], rtol=1e-5, atol=1e-5, msg=f"h_out, step {step}")
+            torch.testing.assert_close(
+                theirs.compute_logits(out[step]), drafter.logits(ours[step]), rtol=1e-5, atol=1e-5
+            )
+            if step + 1 < length:
+                torch.testing.assert_close(
+                    fed[step + 1], drafter.feedback(ours[step]), rtol=1e-5, atol=1e-5, msg=f"feedback, step {step}"
+                )
+    # the toggle really changes what is fed back (else the test above could not tell them apart)
+    assert not torch.allclose(drafter.norm(ours[0]), ours[0], atol=1e-3)
+
+
+@needs_torchspec
+@pytest.mark.parametrize(
+    ("fc_norm", "norm_output", "draft_vocab"), [*[(*c, None) for c in COMBOS], ("per_layer", True, 40)]
+)
+def test_loss_and_gradient_parity(fc_norm, norm_output, draft_vocab, tmp_path):
+    """The TTT loss (every step's loss, the 0.8**i weighted sum, the accuracies) and its gradient with
+    respect to every trained weight equal TorchSpec's, with the full and with a pruned draft vocabulary."""
+    from lab.train.torchspec import TorchSpecTTT
+
+    length = 3
+    drafter = _drafter(fc_norm, norm_output, draft_vocab)
+    theirs = _torchspec_drafter(drafter, tmp_path)
+    input_ids, aux, final, lm_head, loss_mask = _batch(seed=2)
+
+    native = ttt_loss(drafter, input_ids, aux, final, lm_head, length, 0.8, loss_mask)
+    ts = TorchSpecTTT(theirs, length).loss(input_ids, aux, final, lm_head, length, 0.8, loss_mask)
+    torch.testing.assert_close(ts.loss, native.loss, rtol=1e-5, atol=1e-5)
+    assert ts.plosses == pytest.approx(native.plosses, rel=1e-5, abs=1e-6)
+    if draft_vocab is None:  # with a pruned vocabulary TorchSpec's acc skips out-of-vocabulary targets
+        assert ts.accs == pytest.approx(native.accs, abs=1e-6)
+
+    native.loss.backward()
+    ts.loss.backward()
+    theirs_params = dict(theirs.named_parameters())
+    compared = 0
+    for name, p in drafter.named_parameters():
+        if not p.requires_grad:
+            continue
+        q = theirs_params[name.replace("layers.0.", "midlayer.")]
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+        compared += 1
+    assert compared == sum(p.requires_grad for p in drafter.parameters()) > 10
+
+
+@needs_torchspec
+def test_backend_trains_the_drafters_own_weights(tmp_path):
+    """`train.backend=torchspec` in our loop: TorchSpec's module shares the drafter's parameters, so the
+    optimizer steps, the metrics and the trained weights are the drafter's, and they match the native
+    backend's after a few steps (same data order and seed)."""
+    from lab.train.torchspec import build_model
+
+    drafter = _drafter("per_layer", True)
+    model = build_model(drafter)
+    assert model.fc.weight is drafter.fc.weight and model.midlayer.self_attn.q_proj.weight is (
+        drafter.layers[0].self_attn.q_proj.weight
+    )
+
+    input_ids, aux, final, lm_head, loss_mask = _batch(seed=3, b=8, t=20)
+    data = HiddenStates(input_ids, loss_mask, aux.bfloat16(), final.bfloat16(), tmp_path)
+    base = OmegaConf.to_container(compose(["train=quick"]).train)
+    trained, logs = {}, {}
+    for backend in ("native", "torchspec"):
+        tcfg = OmegaConf.create({**base, "backend": backend, "steps": 4, "batch_size": 4, "log_every": 2})
+        d = _drafter("per_layer", True)
+        logs[backend] = []
+        train(d, data, lm_head, tcfg, seed=0, log=lambda m, s, b=backend: logs[b].append((s, m)), progress=False)
+        trained[backend] = d.state_dict()
+    assert [s for s, _ in logs["torchspec"]] == [2, 4]
+    for (_, a), (_, b) in zip(logs["native"], logs["torchspec"], strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
+    for name, value in trained["native"].items():
+        torch.testing.assert_close(trained["torchspec"][name], value, rtol=1e-3, atol=1e-4, msg=name)
+    changed = (trained["torchspec"]["fc.weight"] - drafter.fc.weight).abs().max()
+    assert changed > 1e-3  # training moved the weights
+
+
+@pytest.mark.skipif(HAVE_TORCHSPEC, reason="TorchSpec is installed here")
+def test_torchspec_backend_refused_without_torchspec():
+    with pytest.raises(ConfigError) as err:
+        compose(["target=micro", "data=micro", "train=quick", "train.backend=torchspec"])
+    message = str(err.value)
+    assert message.startswith("train.backend: torchspec: TorchSpec is not importable")
+    assert "\n" not in message and "git+https://github.com/torchspec-project/TorchSpec" in message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["drafter.num_layers=2"], "drafter.num_layers"),
+        (["drafter.fc_norm=concat"], "drafter.fc_norm"),
+        (["drafter=eagle31", "drafter.norm_type=layernorm"], "drafter.norm_type"),
+        (["train.backend=tensorflow"], "train.backend"),
+    ],
+)
+def test_torchspec_backend_refuses_what_torchspec_cannot_train(overrides, key):
+    backend = [] if any(o.startswith("train.backend") for o in overrides) else ["train.backend=torchspec"]
+    with pytest.raises(ConfigError) as err:
+        compose(["target=micro", "data=micro", "train=quick", *backend, *overrides])
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_parity_fixture_checkpoint_is_what_torchspec_reads(tmp_path):
+    """Without TorchSpec: the exported config carries what TorchSpec's drafter reads (its fc_norm /
+    norm_output switches and the number of captured layers)."""
+    drafter = _drafter("per_layer", True)
+    config = json.loads((save_native(drafter, tmp_path / "c") / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    assert len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
