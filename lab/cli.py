@@ -8,6 +8,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from omegaconf import DictConfig
+
 from lab.config import ConfigError, check_vllm_servable, compose, redact
 
 EPILOG = """examples:
@@ -24,6 +26,7 @@ EPILOG = """examples:
   lab sweep sweep=toggles_grid --workers 2  # an Optuna study: every trial a child MLflow run, resumable
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
+  lab export torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
 config groups: target data drafter train eval suite tracking (see configs/); any key: group.key=value
 experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness (see experiments/)
 sweeps: see sweeps/ (toggles_grid, tpe_eagle3, tpe_eagle31, pareto_al_drift)
@@ -221,13 +224,94 @@ def cmd_target_build(overrides: list[str]) -> int:
     return 0
 
 
+TORCHSPEC_CONFIG = "torchspec-config"  # `lab export torchspec-config ...`: the mode, not a run id
+
+
+def _given(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
+    return [f"--{o}" for o in options if getattr(args, o) is not None]
+
+
+def _experiment_arm(args: argparse.Namespace, extra: list[str]) -> tuple[DictConfig, list[str], str]:
+    """The overrides of one arm of experiments/NAME.yaml, composed as `lab ablate` composes its runs
+    (the experiment's, the arm's, the user's, then study / arm / seed: the first seed unless `seed=N`)."""
+    from lab.sweep import experiment
+    from lab.sweep.spec import blame
+
+    if args.arm is None or args.experiment is None:
+        given, missing = ("--experiment", "--arm") if args.arm is None else ("--arm", "--experiment")
+        example = f"lab export {TORCHSPEC_CONFIG} --experiment drift_2x2 --arm eagle31 --out DIR"
+        raise ConfigError(missing, f"required with {given}, e.g. `{example}`")
+    exp = experiment.load(args.experiment)
+    arms = [a.name for a in exp.arms]
+    if args.arm not in arms:
+        raise ConfigError("--arm", f"unknown arm '{args.arm}' of experiments/{exp.name}.yaml; arms: {', '.join(arms)}")
+    seeds = [o.split("=", 1)[1] for o in extra if o.startswith("seed=")]
+    extra = [o for o in extra if not o.startswith("seed=")]
+    try:
+        seed = int(seeds[-1]) if seeds else exp.seeds[0]
+    except ValueError:
+        raise ConfigError("seed", f"expected an integer, got '{seeds[-1]}'") from None
+    sweep = exp.as_sweep(extra)
+    overrides = sweep.trial_overrides({"arm": args.arm}, seed, extra)
+    try:
+        cfg = compose(overrides)
+    except ConfigError as exc:
+        raise blame(exc, f"experiments/{exp.name}.yaml point '{args.arm}'") from None
+    return cfg, overrides, f"experiments/{exp.name}.yaml arm {args.arm} (seed {seed})"
+
+
+def cmd_export_torchspec(args: argparse.Namespace) -> int:
+    wrong = _given(args, ("format", "verifier", "k"))
+    if wrong:
+        return _fail(f"{wrong[0]}: exports a trained drafter (`lab export SOURCE --out DIR`), not a TorchSpec config")
+    from lab import torchspec_config
+
+    if args.experiment is not None or args.arm is not None:
+        cfg, overrides, source = _experiment_arm(args, list(args.overrides))
+    else:
+        overrides = list(args.overrides)
+        source = f"`{' '.join(['lab run', *(redact(o) for o in overrides)])}`"
+        cfg = compose(overrides)
+    try:
+        result = torchspec_config.write(cfg, args.out, overrides, source, args.data)
+    except ConfigError as exc:  # an arm TorchSpec cannot train: say which arm
+        if args.experiment is None:
+            raise
+        raise ConfigError(
+            f"experiments/{args.experiment}.yaml arm '{args.arm}': {exc.key}", str(exc).split(": ", 1)[1]
+        ) from None
+    spec, t = result.spec, cfg.train
+    print(f"TorchSpec training config: {result.train_yaml}")
+    print(f"draft model config:        {result.draft_json}")
+    print(
+        f"arm: {source}; fc_norm={spec.fc_norm} norm_output={str(spec.norm_output).lower()} "
+        f"ttt_length={t.ttt_length} lr={t.lr} steps={t.steps}; aux layers (vLLM ids) {spec.aux_layer_ids} "
+        f"-> TorchSpec {result.torchspec_aux}"
+    )
+    for line in result.todo:
+        print(f"fill in: {line}")
+    print(f"launch (a GPU machine with TorchSpec): {result.launch}")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
+    if args.source == TORCHSPEC_CONFIG:
+        return cmd_export_torchspec(args)
+    wrong = _given(args, ("data", "experiment", "arm"))
+    if wrong:
+        return _fail(f"{wrong[0]}: only with `lab export {TORCHSPEC_CONFIG} [overrides] --out DIR`")
+    if "=" in args.source and not Path(args.source).is_dir():
+        return _fail(
+            f"SOURCE: '{args.source}' is an override, not a run id or checkpoint folder "
+            f"(a TorchSpec config for an arm: `lab export {TORCHSPEC_CONFIG} {args.source} ... --out DIR`)"
+        )
     from lab import track
     from lab.drafter import load_checkpoint, save_native, save_speculators, vllm_incompatibility
 
+    fmt, k = args.format or "both", 3 if args.k is None else args.k
     with tempfile.TemporaryDirectory(prefix="lab-export-") as tmp:
         source, tags = Path(args.source), {}
         if not source.is_dir():
@@ -244,7 +328,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if reason:
             return _fail(f"cannot export for vLLM: {reason}")
         verifier = args.verifier or tags.get("target_path")
-        formats = ["native", "speculators"] if args.format == "both" else [args.format]
+        formats = ["native", "speculators"] if fmt == "both" else [fmt]
         if "speculators" in formats and not verifier:
             return _fail("--verifier: required for the speculators format (the target model's path)")
         out = Path(args.out)
@@ -253,7 +337,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             if fmt == "native":
                 save_native(drafter, where)
             else:
-                save_speculators(drafter, where, verifier, args.k)
+                save_speculators(drafter, where, verifier, k)
             print(f"{fmt}: {where}")
     spec = drafter.spec
     print(
@@ -262,7 +346,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     if verifier:
         model = out / formats[0] if len(formats) > 1 else out
-        spec_cfg = json.dumps({"method": "eagle3", "model": str(model), "num_speculative_tokens": args.k})
+        spec_cfg = json.dumps({"method": "eagle3", "model": str(model), "num_speculative_tokens": k})
         print(f"serve: vllm serve {verifier} --speculative-config '{spec_cfg}'")
     return 0
 
@@ -327,6 +411,13 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wrap(*paragraphs: str) -> str:
+    """Paragraphs for a RawDescriptionHelpFormatter, which keeps the line breaks it is given."""
+    import textwrap
+
+    return "\n\n".join(textwrap.fill(p, 100) for p in paragraphs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lab",
@@ -380,20 +471,41 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("overrides", nargs="*")
     export = sub.add_parser(
         "export",
-        help="write a trained drafter in the vLLM/TorchSpec native and/or speculators format",
-        description="Export the drafter of an MLflow run (its `checkpoint` artifact) or of a checkpoint folder "
-        "for vLLM: the native format (config.json with LlamaForCausalLMEagle3 and the EAGLE 3.1 keys) and/or "
-        "the speculators format. A drafter vLLM cannot express (norm_type=layernorm) is refused.",
+        help="a trained drafter for vLLM, or (torchspec-config) an arm's TorchSpec training config",
+        usage="lab export SOURCE --out DIR [--format F] [--verifier PATH] [--k K] [overrides]\n"
+        f"       lab export {TORCHSPEC_CONFIG} [overrides] --out DIR [--data PATH] [--experiment NAME --arm ARM]",
+        description="Two modes.\n\n"
+        + _wrap(
+            "lab export SOURCE: the drafter of an MLflow run (its `checkpoint` artifact) or of a checkpoint folder, "
+            "for vLLM: the native format (config.json with LlamaForCausalLMEagle3 and the EAGLE 3.1 keys) and/or the "
+            "speculators format. A drafter vLLM cannot express (norm_type=layernorm) is refused.",
+            f"lab export {TORCHSPEC_CONFIG}: nothing is trained; writes DIR/train.yaml and DIR/draft_model.json to "
+            "train the arm (Hydra overrides as for `lab run`, or --experiment NAME --arm ARM: an arm of "
+            "experiments/NAME.yaml as `lab ablate` runs it) with TorchSpec on a GPU cluster: the same toggles, TTT "
+            "length, step weights, learning rate and schedule, aux layers in TorchSpec's numbering (vLLM id - 1). "
+            "Launch: python -m torchspec.train_entry --config DIR/train.yaml. Arms TorchSpec cannot train "
+            "(fc_norm=concat, LayerNorm fc norms, num_layers > 1, aux layer 0) are refused.",
+        ),
         epilog="examples:\n  lab export 3f2a... --out exports/eagle31\n"
-        "  lab export mlruns/artifacts/.../checkpoint --out exports/x --format speculators --verifier /models/target",
+        "  lab export mlruns/artifacts/.../checkpoint --out exports/x --format speculators --verifier /models/target\n"
+        f"  lab export {TORCHSPEC_CONFIG} drafter=eagle31 train.ttt_length=5 --out torchspec/eagle31\n"
+        f"  lab export {TORCHSPEC_CONFIG} --experiment drift_2x2 --arm eagle31 --out torchspec/eagle31 "
+        "--data conversations.jsonl",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    export.add_argument("source", help="an MLflow run id (of the configured store) or a checkpoint folder")
+    export.add_argument(
+        "source", help=f"an MLflow run id (of the configured store) or a checkpoint folder; or {TORCHSPEC_CONFIG}"
+    )
     export.add_argument("--out", required=True, help="output folder")
-    export.add_argument("--format", choices=["native", "speculators", "both"], default="both")
-    export.add_argument("--verifier", help="the target's path for the speculators format (default: the run's)")
-    export.add_argument("--k", type=int, default=3, help="speculative tokens named in the speculators config")
-    export.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
+    drafter_export = export.add_argument_group("a trained drafter (lab export SOURCE)")
+    drafter_export.add_argument("--format", choices=["native", "speculators", "both"], help="default: both")
+    drafter_export.add_argument("--verifier", help="the target's path for the speculators format (default: the run's)")
+    drafter_export.add_argument("--k", type=int, help="speculative tokens named in the speculators config (default 3)")
+    ts = export.add_argument_group(f"a TorchSpec training config (lab export {TORCHSPEC_CONFIG})")
+    ts.add_argument("--data", help="dataset.train_data_path (default: left for you to fill in)")
+    ts.add_argument("--experiment", help="the arm of experiments/NAME.yaml given by --arm ...")
+    ts.add_argument("--arm", help="... e.g. --experiment drift_2x2 --arm eagle31 (its first seed unless seed=N)")
+    export.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=... or drafter=eagle31")
     rep = sub.add_parser(
         "report",
         help="tables and figures of an experiment's study, from MLflow alone, into reports/NAME/",
