@@ -404,8 +404,8 @@ def validate(cfg: DictConfig) -> None:
 
 TRAIN_BACKENDS = ("native", "torchspec")
 TORCHSPEC_INSTALL = (
-    "install it from source (it is not on PyPI): pip install --no-deps "
-    "'torchspec @ git+https://github.com/torchspec-project/TorchSpec' && pip install wandb ray datasets"
+    "it is not on PyPI; install an editable checkout: git clone https://github.com/torchspec-project/TorchSpec "
+    "&& pip install --no-deps -e TorchSpec && pip install wandb ray datasets (README: TorchSpec)"
 )
 
 
