@@ -202,7 +202,7 @@ def test_torchspec_backend_refused_without_torchspec():
         compose(["target=micro", "data=micro", "train=quick", "train.backend=torchspec"])
     message = str(err.value)
     assert message.startswith("train.backend: torchspec: TorchSpec is not importable")
-    assert "\n" not in message and "git+https://github.com/torchspec-project/TorchSpec" in message
+    assert "\n" not in message and "git clone https://github.com/torchspec-project/TorchSpec" in message
 
 
 @pytest.mark.parametrize(
