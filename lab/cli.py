@@ -264,7 +264,7 @@ def cmd_export_torchspec(args: argparse.Namespace) -> int:
     wrong = _given(args, ("format", "verifier", "k"))
     if wrong:
         return _fail(f"{wrong[0]}: exports a trained drafter (`lab export SOURCE --out DIR`), not a TorchSpec config")
-    from lab import torchspec_config
+    from lab.train import torchspec_config
 
     if args.experiment is not None or args.arm is not None:
         cfg, overrides, source = _experiment_arm(args, list(args.overrides))

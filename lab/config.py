@@ -409,17 +409,28 @@ TORCHSPEC_INSTALL = (
 )
 
 
-def _validate_torchspec(cfg: DictConfig) -> None:
-    """TorchSpec's EAGLE-3 drafter is one layer whose fc norms are RMSNorm, one per captured layer."""
+def check_torchspec_drafter(cfg: DictConfig) -> None:
+    """ConfigError naming the key of a drafter TorchSpec's EAGLE-3 cannot be: it has one decoder layer
+    (`midlayer`) and RMSNorm fc norms, one per captured layer or none."""
     d = cfg.drafter
     if d.num_layers != 1:
         raise ConfigError(
-            "drafter.num_layers", f"train.backend=torchspec trains 1-layer drafters only, got {d.num_layers}"
+            "drafter.num_layers", f"TorchSpec's EAGLE-3 drafter has one decoder layer (midlayer), got {d.num_layers}"
         )
     if d.fc_norm == FcNorm.concat:
-        raise ConfigError("drafter.fc_norm", "train.backend=torchspec has no concat fc norm; allowed: none, per_layer")
+        raise ConfigError(
+            "drafter.fc_norm", "TorchSpec has no concat fc norm (vLLM's norm_before_fc); allowed: none, per_layer"
+        )
     if d.fc_norm != FcNorm.none and d.norm_type != NormType.rmsnorm:
-        raise ConfigError("drafter.norm_type", "train.backend=torchspec has RMSNorm fc norms only; allowed: rmsnorm")
+        raise ConfigError(
+            "drafter.norm_type",
+            f"TorchSpec's fc norms are RMSNorm only, got {d.norm_type.value} with drafter.fc_norm={d.fc_norm.value}; "
+            "allowed: rmsnorm",
+        )
+
+
+def _validate_torchspec(cfg: DictConfig) -> None:
+    check_torchspec_drafter(cfg)
     try:
         importlib.import_module("torchspec.models.eagle3")
     except ImportError as exc:

@@ -74,7 +74,7 @@ def test_the_drafter_is_shaped_as_init_drafter_shapes_it():
 
     from lab.target import Target
     from lab.target.build import llama_config
-    from lab.torchspec_config import _VocabOnly, drafter_spec
+    from lab.train.torchspec_config import _VocabOnly, drafter_spec
     from lab.train.ttt import init_drafter
 
     cfg = compose([*MICRO, "drafter=eagle31", "drafter.draft_vocab_size=100", "drafter.aux_layers=[1,3]"])

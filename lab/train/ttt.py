@@ -35,17 +35,13 @@ def draft_vocabulary(token_counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
-def init_drafter(
-    target: Target, dcfg: DictConfig, aux_layers: list[int], seed: int, token_counts: torch.Tensor | None = None
-) -> Eagle3Drafter:
-    """A fresh drafter shaped after the target: its width, heads and MLP; embedding copied and frozen;
-    with a smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V]."""
-    tc = target.model.config
+def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> DrafterSpec:
+    """The drafter shaped after a target with transformers config `model_config`: its width, heads and
+    MLP; a `draft_vocab_size` at or above the target's vocabulary means the full vocabulary."""
+    tc = model_config
     heads = tc.num_attention_heads
     draft_vocab = dcfg.draft_vocab_size if dcfg.draft_vocab_size and dcfg.draft_vocab_size < tc.vocab_size else None
-    if draft_vocab and token_counts is None:
-        raise ValueError("drafter.draft_vocab_size: a smaller draft vocabulary needs the training data's token counts")
-    spec = DrafterSpec(
+    return DrafterSpec(
         hidden_size=tc.hidden_size,
         target_hidden_size=tc.hidden_size,
         aux_layer_ids=list(aux_layers),
@@ -59,10 +55,21 @@ def init_drafter(
         max_position_embeddings=tc.max_position_embeddings,
         rope_theta=_rope_theta(tc),
         rms_norm_eps=dcfg.rms_norm_eps,
-        fc_norm=str(dcfg.fc_norm.value if hasattr(dcfg.fc_norm, "value") else dcfg.fc_norm),
+        fc_norm=str(getattr(dcfg.fc_norm, "value", dcfg.fc_norm)),
         norm_output=bool(dcfg.norm_output),
-        norm_type=str(dcfg.norm_type.value if hasattr(dcfg.norm_type, "value") else dcfg.norm_type),
+        norm_type=str(getattr(dcfg.norm_type, "value", dcfg.norm_type)),
     )
+
+
+def init_drafter(
+    target: Target, dcfg: DictConfig, aux_layers: list[int], seed: int, token_counts: torch.Tensor | None = None
+) -> Eagle3Drafter:
+    """A fresh drafter shaped after the target (`drafter_spec`); embedding copied and frozen; with a
+    smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V]."""
+    spec = drafter_spec(target.model.config, dcfg, aux_layers)
+    draft_vocab = spec.draft_vocab_size if spec.draft_vocab_size != spec.vocab_size else None
+    if draft_vocab and token_counts is None:
+        raise ValueError("drafter.draft_vocab_size: a smaller draft vocabulary needs the training data's token counts")
     torch.manual_seed(seed)
     drafter = Eagle3Drafter(spec)
     with torch.no_grad():

@@ -24,8 +24,9 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from lab.config import ConfigError, FcNorm, NormType, TargetKind, aux_layers, config_hash, redact
+from lab.config import ConfigError, TargetKind, aux_layers, check_torchspec_drafter, config_hash, redact
 from lab.drafter.model import DrafterSpec
+from lab.train.ttt import drafter_spec
 
 TRAIN_YAML = "train.yaml"
 DRAFT_JSON = "draft_model.json"
@@ -68,26 +69,11 @@ class Export:
 
 def check_supported(cfg: DictConfig) -> None:
     """ConfigError naming the key of an arm TorchSpec's EAGLE-3 drafter cannot express."""
-    d = cfg.drafter
     if OmegaConf.select(cfg, "drafter.checkpoint"):
         raise ConfigError(
             "drafter.checkpoint", "names a drafter trained elsewhere: nothing to train; drop it to export the arm"
         )
-    if d.fc_norm == FcNorm.concat:
-        raise ConfigError(
-            "drafter.fc_norm",
-            "TorchSpec has no concat fc norm (vLLM's norm_before_fc); allowed for a TorchSpec export: none, per_layer",
-        )
-    if d.fc_norm != FcNorm.none and d.norm_type != NormType.rmsnorm:
-        raise ConfigError(
-            "drafter.norm_type",
-            f"TorchSpec's fc norms are RMSNorm only, got {d.norm_type.value} with drafter.fc_norm="
-            f"{d.fc_norm.value}; allowed for a TorchSpec export: rmsnorm",
-        )
-    if d.num_layers != 1:
-        raise ConfigError(
-            "drafter.num_layers", f"TorchSpec's EAGLE-3 drafter has one decoder layer (midlayer), got {d.num_layers}"
-        )
+    check_torchspec_drafter(cfg)
     if cfg.train.warmup_steps >= cfg.train.steps:
         raise ConfigError(
             "train.warmup_steps",
@@ -144,33 +130,6 @@ def target_model_config(cfg: DictConfig) -> tuple[Any, str | None]:
     from lab.target.build import llama_config
 
     return llama_config(cfg.target, _VocabOnly(cfg.target.vocab_size)), None
-
-
-def drafter_spec(model_config: Any, dcfg: DictConfig, vllm_aux: list[int]) -> DrafterSpec:
-    """The drafter `lab.train.ttt.init_drafter` would build for a target with `model_config`."""
-    from lab.train.ttt import _rope_theta
-
-    tc = model_config
-    heads = tc.num_attention_heads
-    draft_vocab = dcfg.draft_vocab_size if dcfg.draft_vocab_size and dcfg.draft_vocab_size < tc.vocab_size else None
-    return DrafterSpec(
-        hidden_size=tc.hidden_size,
-        target_hidden_size=tc.hidden_size,
-        aux_layer_ids=list(vllm_aux),
-        vocab_size=tc.vocab_size,
-        draft_vocab_size=draft_vocab,
-        num_heads=heads,
-        num_kv_heads=getattr(tc, "num_key_value_heads", heads),
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-        intermediate_size=tc.intermediate_size,
-        num_layers=dcfg.num_layers,
-        max_position_embeddings=tc.max_position_embeddings,
-        rope_theta=_rope_theta(tc),
-        rms_norm_eps=dcfg.rms_norm_eps,
-        fc_norm=str(getattr(dcfg.fc_norm, "value", dcfg.fc_norm)),
-        norm_output=bool(dcfg.norm_output),
-        norm_type=str(getattr(dcfg.norm_type, "value", dcfg.norm_type)),
-    )
 
 
 def draft_model_json(spec: DrafterSpec) -> dict:
