@@ -10,6 +10,12 @@ target's. What only the workbench needs to rebuild the module exactly (the norm 
 `lab`, which other readers ignore. Weights are read as safetensors only (no pickle). A plain EAGLE-3
 checkpoint (no 3.1 keys, `midlayer.*` weight names, no aux layer ids) loads too.
 
+Drafters trained elsewhere load into the same module (`checkpoint_format` says whose a folder is):
+TorchSpec's `tools/convert_to_hf.py` output (the native layout in bf16, `_torchspec_version`, `t2d` beside
+`d2t`) and speculators' (`verifier_*` weights, an all-zero `d2t` for an unpruned vocabulary, usually no
+`embed_tokens.weight`: the target's fills it). What the module cannot compute exactly (another layer
+type, biases, rope scaling) is refused in one line naming the file, never approximated.
+
 A checkpoint written here carries `lab_manifest.json` (the sha256 of each weight file; vLLM and
 transformers ignore the extra file): a corrupted or truncated checkpoint is refused on load, never
 silently used. One without it (TorchSpec's, a download) loads unchecked.
@@ -18,9 +24,11 @@ silently used. One without it (TorchSpec's, a download) loads unchecked.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
@@ -29,6 +37,12 @@ from lab.fsutil import atomic_file, mismatched_file, sha256_file
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 MANIFEST = "lab_manifest.json"
+FORMATS = ("lab", "torchspec", "speculators", "eagle")
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint that cannot be used as it is; str() is one line naming the file and what was
+    expected."""
 
 
 def native_config(spec: DrafterSpec) -> dict:
@@ -52,7 +66,7 @@ def native_config(spec: DrafterSpec) -> dict:
         "fc_norm": spec.fc_norm == "per_layer",
         "norm_before_fc": spec.fc_norm == "concat",
         "norm_output": spec.norm_output,
-        "norm_before_residual": False,
+        "norm_before_residual": spec.norm_before_residual,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
             "use_aux_hidden_state": True,
@@ -85,7 +99,8 @@ def speculators_config(spec: DrafterSpec, verifier: str, num_speculative_tokens:
         "transformer_layer_config": layer,
         "draft_vocab_size": spec.draft_vocab_size,
         "target_hidden_size": spec.target_hidden_size,
-        "norm_before_residual": False,  # speculators' default is True; this drafter's residual is raw h
+        # always written: vLLM reads a speculators config without it as true, speculators as false
+        "norm_before_residual": spec.norm_before_residual,
         "norm_before_fc": native["norm_before_fc"],
         "fc_norm": native["fc_norm"],
         "norm_output": native["norm_output"],
@@ -111,22 +126,44 @@ def vllm_incompatibility(spec: DrafterSpec) -> str | None:
     return None
 
 
-def spec_from_config(cfg: dict, target_num_layers: int | None = None) -> DrafterSpec:
-    """The drafter of a native or speculators `config.json`. A checkpoint without aux layer ids gets
-    vLLM's default (2, L // 2, L - 3) for a target of `target_num_layers` layers."""
+def spec_from_config(
+    cfg: dict,
+    target_num_layers: int | None = None,
+    aux_layers: list[int] | None = None,
+    where: str | Path = CONFIG,
+) -> DrafterSpec:
+    """The drafter of a native or speculators `config.json` (`where` names it in errors). A checkpoint
+    without aux layer ids gets `aux_layers`, else vLLM's default (2, L // 2, L - 3) for a target of
+    `target_num_layers` layers."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{where}: expected a JSON object (a drafter config), got {type(cfg).__name__}")
     if cfg.get("speculators_model_type") is not None:
-        cfg = _native_from_speculators(cfg)
+        cfg = _native_from_speculators(cfg, where)
+    _check_layer_type(cfg, where, "model_type")
     lab = cfg.get("lab", {})
-    fc_norm = "per_layer" if cfg.get("fc_norm") else "concat" if cfg.get("norm_before_fc") else "none"
-    aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    eagle = cfg.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        raise CheckpointError(f"{where}: eagle_config.use_aux_hidden_state=false; expected an EAGLE-3 drafter (true)")
+    # vLLM reads norm_before_fc from eagle_config first
+    before_fc = bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc")))
+    if cfg.get("fc_norm") and before_fc:
+        raise CheckpointError(f"{where}: fc_norm and norm_before_fc are both true; expected at most one")
+    fc_norm = "per_layer" if cfg.get("fc_norm") else "concat" if before_fc else "none"
+    aux = _named_aux_layers(cfg)
+    if aux is None and aux_layers is not None:
+        aux = list(aux_layers)
     if aux is None and target_num_layers is not None:
         aux = [2, target_num_layers // 2, target_num_layers - 3]
     if aux is None:
-        raise ValueError(f"{CONFIG}: eagle_config.eagle_aux_hidden_state_layer_ids is required")
-    if cfg.get("norm_before_residual"):
-        raise ValueError(f"{CONFIG}: norm_before_residual=true is not supported (the residual is the raw h)")
+        raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is required")
+    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and i >= 0 for i in aux):
+        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids: expected a list of layer ids, got {aux}")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if not cfg.get(k)]
+    if missing:
+        raise CheckpointError(f"{where}: no {', '.join(missing)}; expected a Llama-style EAGLE-3 drafter config")
+    _check_computable(cfg, where)
     heads = cfg["num_attention_heads"]
-    return DrafterSpec(
+    spec = DrafterSpec(
         hidden_size=cfg["hidden_size"],
         target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
         aux_layer_ids=aux,
@@ -134,25 +171,73 @@ def spec_from_config(cfg: dict, target_num_layers: int | None = None) -> Drafter
         num_heads=heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         intermediate_size=cfg["intermediate_size"],
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
         draft_vocab_size=cfg.get("draft_vocab_size"),
-        num_layers=cfg.get("num_hidden_layers", 1),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        num_layers=cfg.get("num_hidden_layers") or 1,
+        max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
+        rope_theta=cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0,
+        rms_norm_eps=cfg.get("rms_norm_eps") or 1e-6,
         fc_norm=fc_norm,
         norm_output=bool(cfg.get("norm_output", False)),
         norm_type=lab.get("norm_type", "rmsnorm"),
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         extra={k: v for k, v in lab.items() if k != "norm_type"},
     )
+    if spec.draft_vocab_size > spec.vocab_size:
+        raise CheckpointError(
+            f"{where}: draft_vocab_size {spec.draft_vocab_size} exceeds vocab_size {spec.vocab_size}; "
+            "expected a draft vocabulary inside the target's"
+        )
+    if spec.num_heads % spec.num_kv_heads:
+        raise CheckpointError(
+            f"{where}: num_key_value_heads {spec.num_kv_heads} does not divide num_attention_heads {spec.num_heads}"
+        )
+    return spec
 
 
-def _native_from_speculators(cfg: dict) -> dict:
-    out = {**cfg.get("transformer_layer_config", {})}
+def _named_aux_layers(cfg: dict) -> list[int] | None:
+    """The aux layer ids a config names, where vLLM looks: the top level (speculators' place), then
+    eagle_config (the native place); None or empty: vLLM's default."""
+    eagle = cfg.get("eagle_config") or {}
+    return cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids") or None
+
+
+def _check_layer_type(cfg: dict, where: str | Path, key: str) -> None:
+    # a qwen3 layer carries q_norm / k_norm, others differ further: this module computes a Llama layer only
+    model_type = cfg.get("model_type", "llama")
+    if model_type != "llama":
+        raise CheckpointError(
+            f"{where}: {key} '{model_type}' is not supported; expected llama (the drafter's decoder layer is Llama's)"
+        )
+
+
+def _check_computable(cfg: dict, where: str | Path) -> None:
+    """Refuse what the module would silently compute differently: another activation, biases, rope scaling."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act '{cfg['hidden_act']}' is not supported; expected silu")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise CheckpointError(f"{where}: {key}=true is not supported; expected false (no biases)")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if kind != "default":
+            raise CheckpointError(f"{where}: {key} of type '{kind}' is not supported; expected none (plain RoPE)")
+
+
+def _native_from_speculators(cfg: dict, where: str | Path = CONFIG) -> dict:
+    if cfg["speculators_model_type"] != "eagle3":
+        raise CheckpointError(
+            f"{where}: speculators_model_type '{cfg['speculators_model_type']}' is not supported; expected eagle3"
+        )
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise CheckpointError(f"{where}: no transformer_layer_config; expected the drafter layer's config there")
+    _check_layer_type(layer, where, "transformer_layer_config.model_type")
+    out = {**layer}
     out.update({k: cfg[k] for k in _EAGLE3_KEYS if k in cfg and k != "architectures"})
-    out["norm_before_residual"] = cfg.get("norm_before_residual", True)  # speculators' default
-    if "eagle_aux_hidden_state_layer_ids" in cfg:
-        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"]}
+    out["eagle_aux_hidden_state_layer_ids"] = cfg.get("eagle_aux_hidden_state_layer_ids")  # null: vLLM's default
+    out["norm_before_residual"] = cfg.get("norm_before_residual", False)  # speculators' config default
     return out
 
 
@@ -189,10 +274,10 @@ def verify(path: str | Path) -> None:
     try:
         hashes = json.loads((path / MANIFEST).read_text())["files"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{path / MANIFEST}: unreadable (corrupted checkpoint); re-export or retrain") from None
+        raise CheckpointError(f"{path / MANIFEST}: unreadable (corrupted checkpoint); re-export or retrain") from None
     bad = mismatched_file(path, hashes)
     if bad is not None:
-        raise ValueError(
+        raise CheckpointError(
             f"{path / bad}: content hash does not match {MANIFEST} (corrupted or truncated checkpoint); "
             "re-export or retrain"
         )
@@ -207,27 +292,168 @@ def save_speculators(drafter: Eagle3Drafter, out_dir: str | Path, verifier: str,
     return _write(_weights(drafter), speculators_config(drafter.spec, verifier, num_speculative_tokens), out_dir)
 
 
-def load_checkpoint(
-    path: str | Path, embed_weight: torch.Tensor | None = None, target_num_layers: int | None = None
-) -> Eagle3Drafter:
-    """Load a checkpoint in either format; `embed_weight` fills a checkpoint saved without its embedding.
-    A checkpoint with `lab_manifest.json` is verified first (ValueError if a weight file differs)."""
-    path = Path(path)
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint folder holds, read from its config and the weight file's header only."""
+
+    path: Path
+    format: str  # one of FORMATS
+    spec: DrafterSpec
+    aux_from_checkpoint: bool  # False: the aux layer ids are the caller's fallback
+    has_embedding: bool  # False: the target's embedding must fill embed_tokens.weight
+
+
+def _read_config(path: Path) -> dict:
     for name in (CONFIG, WEIGHTS):
         if not (path / name).is_file():
-            raise FileNotFoundError(f"{path / name}: missing (expected a drafter checkpoint: {CONFIG} + {WEIGHTS})")
-    verify(path)
-    spec = spec_from_config(json.loads((path / CONFIG).read_text()), target_num_layers)
-    drafter = Eagle3Drafter(spec)
-    state = {k.replace("midlayer.", "layers.0."): v for k, v in load_file(str(path / WEIGHTS)).items()}
-    state = {k: v for k, v in state.items() if k != "t2d" and not _unused_hidden_norm(k)}
-    if "embed_tokens.weight" not in state:
-        if embed_weight is None:
-            raise ValueError(f"{path / WEIGHTS}: no embed_tokens.weight; pass the target's embedding")
-        state["embed_tokens.weight"] = embed_weight.detach().clone()
-    drafter.load_state_dict(state, strict=True)
-    return drafter.eval()
+            hint = ""
+            if name == WEIGHTS and (path / "pytorch_model.bin").is_file():
+                hint = "; found pytorch_model.bin, a pickle this workbench never loads (convert it to safetensors)"
+            raise FileNotFoundError(
+                f"{path / name}: missing (expected a drafter checkpoint: {CONFIG} + {WEIGHTS}){hint}"
+            )
+    try:
+        cfg = json.loads((path / CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path / CONFIG}: not valid JSON ({exc}); expected a drafter config") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path / CONFIG}: expected a JSON object (a drafter config)")
+    return cfg
+
+
+def _header(file: Path) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Tensor shapes and metadata of a safetensors file, without reading the tensors."""
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({str(exc).splitlines()[0]})") from None
+
+
+def _format(path: Path, cfg: dict, metadata: dict[str, str]) -> str:
+    if "lab" in cfg or (path / MANIFEST).is_file():
+        return "lab"
+    if cfg.get("speculators_model_type") is not None:
+        return "speculators"
+    if "_torchspec_version" in cfg or "torchspec_version" in metadata:
+        return "torchspec"
+    return "eagle"
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """Who wrote a checkpoint folder: `lab` (this workbench, either format), `torchspec` (its
+    tools/convert_to_hf.py), `speculators`, or `eagle` (any other EAGLE-3 checkpoint)."""
+    path = Path(path)
+    cfg = _read_config(path)
+    return _format(path, cfg, _header(path / WEIGHTS)[1])
 
 
 def _unused_hidden_norm(key: str) -> bool:
     return key.startswith("layers.") and key.endswith(".hidden_norm.weight") and not key.startswith("layers.0.")
+
+
+def _dropped(key: str, spec: DrafterSpec) -> bool:
+    """Weights other trainers save that this drafter does not use: speculators' copy of the verifier's
+    head, the target-to-draft mask (vLLM reads d2t only), an identity d2t of an unpruned vocabulary, and
+    the hidden_norm vLLM wants in every layer."""
+    if key.startswith("verifier_") or key == "t2d" or _unused_hidden_norm(key):
+        return True
+    return key == "d2t" and spec.draft_vocab_size == spec.vocab_size
+
+
+def _canonical(key: str) -> str:
+    return key.replace("midlayer.", "layers.0.")  # EAGLE-3 / TorchSpec's internal name of layer 0
+
+
+def _describe(spec: DrafterSpec) -> str:
+    return (
+        f"{spec.num_layers} layer(s) of width {spec.hidden_size}, fc_norm={spec.fc_norm}, "
+        f"{spec.num_aux} captured layers of width {spec.target_hidden_size}, "
+        f"vocabulary {spec.draft_vocab_size}/{spec.vocab_size}"
+    )
+
+
+def inspect_checkpoint(
+    path: str | Path, target_num_layers: int | None = None, aux_layers: list[int] | None = None
+) -> CheckpointInfo:
+    """The drafter a checkpoint folder describes, its weight names and shapes checked against its config
+    (the header only: no tensor is read). Aux layer ids the checkpoint does not name are `aux_layers`, else
+    vLLM's default for a target of `target_num_layers` layers. FileNotFoundError or CheckpointError."""
+    path = Path(path)
+    cfg = _read_config(path)
+    shapes, metadata = _header(path / WEIGHTS)
+    spec = spec_from_config(cfg, target_num_layers, aux_layers, where=path / CONFIG)
+    named = _named_aux_layers(cfg) is not None
+    with torch.device("meta"):  # the expected names and shapes, without allocating the weights
+        expected = {k: list(v.shape) for k, v in Eagle3Drafter(spec).state_dict().items()}
+    found = {_canonical(k): v for k, v in shapes.items() if not _dropped(_canonical(k), spec)}
+    has_embedding = "embed_tokens.weight" in found
+    file = path / WEIGHTS
+    missing = [k for k in expected if k not in found and k != "embed_tokens.weight"]
+    extra = [k for k in found if k not in expected]
+    what = f"expected the weights of the drafter {CONFIG} describes ({_describe(spec)})"
+    if missing:
+        raise CheckpointError(f"{file}: no {_some(missing)}; {what}")
+    if extra:
+        raise CheckpointError(f"{file}: unexpected {_some(extra)}; {what}")
+    for k, shape in found.items():
+        if shape != expected[k]:
+            raise CheckpointError(f"{file}: {k} has shape {shape}, expected {expected[k]}; {what}")
+    if spec.draft_vocab_size == spec.vocab_size and "d2t" in shapes and shapes["d2t"] != [spec.vocab_size]:
+        raise CheckpointError(f"{file}: d2t has shape {shapes['d2t']}, expected [{spec.vocab_size}]; {what}")
+    return CheckpointInfo(path, _format(path, cfg, metadata), spec, named, has_embedding)
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def load_checkpoint(
+    path: str | Path,
+    embed_weight: torch.Tensor | None = None,
+    target_num_layers: int | None = None,
+    aux_layers: list[int] | None = None,
+) -> Eagle3Drafter:
+    """Load a checkpoint in any of FORMATS into a float32 drafter; `embed_weight` fills a checkpoint saved
+    without its embedding, `aux_layers` (else vLLM's default for `target_num_layers`) one without aux layer
+    ids. A checkpoint with `lab_manifest.json` is verified first. Every refusal is one line naming the file
+    (FileNotFoundError or CheckpointError)."""
+    path = Path(path)
+    _read_config(path)
+    verify(path)
+    info = inspect_checkpoint(path, target_num_layers, aux_layers)
+    spec, file = info.spec, path / WEIGHTS
+    raw = load_file(str(file))
+    state = {_canonical(k): v for k, v in raw.items() if not _dropped(_canonical(k), spec)}
+    d2t = raw.get("d2t")
+    if spec.draft_vocab_size < spec.vocab_size:
+        state["d2t"] = _draft_ids(d2t, spec, file) - torch.arange(spec.draft_vocab_size)
+    elif d2t is not None:
+        ids = _draft_ids(d2t, spec, file)
+        # a reordered full vocabulary: put lm_head's rows in target order, which needs no d2t
+        state["lm_head.weight"] = torch.empty_like(state["lm_head.weight"]).index_copy_(0, ids, state["lm_head.weight"])
+    if not info.has_embedding:
+        if embed_weight is None:
+            raise CheckpointError(f"{file}: no embed_tokens.weight; pass the target's embedding")
+        want = [spec.vocab_size, spec.hidden_size]
+        if list(embed_weight.shape) != want:
+            raise CheckpointError(
+                f"{file}: no embed_tokens.weight, and the target's embedding is {list(embed_weight.shape)}; "
+                f"expected {want} (vocab_size x hidden_size of {CONFIG})"
+            )
+        state["embed_tokens.weight"] = embed_weight.detach().clone()
+    drafter = Eagle3Drafter(spec)
+    drafter.load_state_dict(state, strict=True)  # casts bf16 / fp16 weights to the module's float32
+    return drafter.eval()
+
+
+def _draft_ids(d2t: torch.Tensor, spec: DrafterSpec, file: Path) -> torch.Tensor:
+    """The target id of each draft id (target id = draft id + d2t[draft id]), checked to be distinct ids
+    of the target vocabulary."""
+    ids = torch.arange(spec.draft_vocab_size) + d2t.to(torch.long)
+    if ids.min() < 0 or ids.max() >= spec.vocab_size or ids.unique().numel() != ids.numel():
+        raise CheckpointError(
+            f"{file}: d2t maps draft ids onto ids outside the target vocabulary or onto one id twice; "
+            f"expected offsets to {spec.draft_vocab_size} distinct ids below {spec.vocab_size}"
+        )
+    return ids

@@ -5,6 +5,7 @@ Data flow of one drafting step (H = hidden size, A = number of captured target l
     step 0:    aux [B,T,A*H_t] --(fc_norm?)--> fc --> h [B,T,H]         (projected target features)
     step j>0:  h = feedback(h_out of step j-1): raw h_out (EAGLE-3) or norm(h_out) (EAGLE 3.1)
     layer 0:   x = concat(input_layernorm(embed(tok)), hidden_norm(h))  [B,T,2H]
+               (norm_before_residual: h = hidden_norm(h) before the residual below)
                h = h + attn(x);  h = h + mlp(post_attention_layernorm(h))
     layers>0:  plain Llama decoder layers on h
     output:    logits = lm_head(norm(h_out))   (both versions: lm_head always sees norm(h))
@@ -44,6 +45,8 @@ class DrafterSpec:
     fc_norm: str = "none"  # none | per_layer (EAGLE 3.1) | concat (norm_before_fc)
     norm_output: bool = False  # EAGLE 3.1: feed norm(h) back instead of h
     norm_type: str = "rmsnorm"  # kind of the fc norms: rmsnorm | layernorm
+    # layer 0's residual is hidden_norm(h) instead of the raw h (vLLM / speculators `norm_before_residual`)
+    norm_before_residual: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -216,12 +219,13 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Layer 0 is EAGLE's: attention reads [input_layernorm(embed), hidden_norm(h)] (2H wide) and the
-    residual is the raw h (TorchSpec; vLLM's default `norm_before_residual=False`). Later layers
-    are plain pre-norm Llama layers on h."""
+    residual is the raw h (TorchSpec; vLLM's default), or hidden_norm(h) with `norm_before_residual`
+    (what speculators trains by default). Later layers are plain pre-norm Llama layers on h."""
 
     def __init__(self, spec: DrafterSpec, layer_idx: int):
         super().__init__()
         self.is_first = layer_idx == 0
+        self.norm_before_residual = spec.norm_before_residual
         h = spec.hidden_size
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
         if self.is_first:
@@ -232,7 +236,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, h: torch.Tensor, cos, sin, cache) -> torch.Tensor:
         if self.is_first:
-            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+            normed = self.hidden_norm(h)
+            if self.norm_before_residual:
+                h = normed  # the residual stream starts from the normalized state
+            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         else:
             x = self.input_layernorm(h)  # [B, T, H]
         h = h + self.self_attn(x, cos, sin, cache)
