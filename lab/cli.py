@@ -18,6 +18,7 @@ EPILOG = """examples:
   lab run drafter.fc_norm=per_layer         # one toggle on its own
   lab run target=micro data=micro train=quick eval=quick   # a smoke run in about a minute
   lab run target=hf target.path=/models/my-llama drafter.aux_layers=[2,8,13]
+  lab run drafter.checkpoint=DIR            # evaluate a drafter trained elsewhere (TorchSpec, speculators)
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
   lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick   # the same, in minutes
@@ -426,7 +427,31 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     sub = p.add_subparsers(dest="verb", required=True)
-    run = sub.add_parser("run", help="one run: target -> cache -> train -> evaluate -> MLflow; prints the run id")
+    import textwrap
+
+    run = sub.add_parser(
+        "run",
+        help="one run: target -> cache -> train -> evaluate -> MLflow; prints the run id",
+        description="\n\n".join(
+            textwrap.fill(paragraph, 100)
+            for paragraph in (
+                "One run: build or find the target, cache its hidden states, train the configured drafter, "
+                "evaluate it (eval.backends: ref, vllm) and log everything to MLflow; prints the run id.",
+                "drafter.checkpoint=DIR evaluates a drafter trained elsewhere instead (a TorchSpec convert_to_hf.py "
+                "folder, a speculators checkpoint, a `lab export`): no cache, no training. It is checked against "
+                "the target first (vocabulary, hidden size, captured layers) and logged like a trained drafter: "
+                "its own drafter.* values as params, the tags drafter_source and drafter_format, the run's "
+                "`checkpoint` artifact. Captured layers it does not name: drafter.aux_layers, else vLLM's default "
+                "(2, L//2, L-3).",
+            )
+        ),
+        epilog="examples:\n  lab run drafter=eagle31 train.ttt_length=5\n"
+        "  lab run target=micro data=micro train=quick eval=quick\n"
+        "  lab run drafter.checkpoint=/ckpts/torchspec-eagle31 target=hf target.path=/models/llama "
+        "eval.backends=[ref,vllm]\n"
+        "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
     abl = sub.add_parser(
         "ablate",

@@ -117,6 +117,9 @@ class DrafterConfig:
     draft_vocab_size: int | None = None
     init_lm_head_from_target: bool = True
     rms_norm_eps: float = 1e-6
+    # a drafter checkpoint folder trained elsewhere (TorchSpec, speculators, lab export): evaluated instead of
+    # training one; the keys above then describe nothing (the run logs the checkpoint's own values)
+    checkpoint: str | None = None
 
 
 @dataclass
@@ -379,6 +382,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("drafter.aux_layers", f"ids must be distinct, got {layers}")
     if list(layers) != sorted(layers):
         raise ConfigError("drafter.aux_layers", f"ids must be ascending, got {layers}")
+    if cfg.drafter.checkpoint:
+        _validate_checkpoint(cfg)
     for k in cfg.eval.num_speculative_tokens:
         if not isinstance(k, int) or k < 1:
             raise ConfigError(
@@ -533,11 +538,27 @@ def _db_url_problem(url: str) -> str | None:
     return None
 
 
+def _validate_checkpoint(cfg: DictConfig) -> None:
+    """drafter.checkpoint is readable and fits the target (lab.drafter.imported.resolve), checked here so that
+    a wrong folder fails before any target is built."""
+    from lab.drafter.imported import resolve_for  # torch: imported only when a checkpoint is named
+
+    resolve_for(cfg)
+
+
 def check_vllm_servable(cfg: DictConfig) -> None:
     """`lab run` asking vLLM for a drafter it cannot serve is refused before training (the same rule as
     lab.drafter.formats.vllm_incompatibility). A study is not: there the arm is evaluated by the reference
     backend only and tagged `vllm_skipped`, so that its other arms still get vLLM's numbers."""
     d = cfg.drafter
+    if d.checkpoint and "vllm" in cfg.eval.backends:
+        from lab.drafter import vllm_incompatibility
+        from lab.drafter.imported import resolve_for
+
+        reason = vllm_incompatibility(resolve_for(cfg).spec)
+        if reason:
+            raise ConfigError("eval.backends", f"'vllm' cannot serve drafter.checkpoint={d.checkpoint}: {reason}")
+        return
     if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
         raise ConfigError(
             "eval.backends",
@@ -623,6 +644,8 @@ def config_hash(cfg: DictConfig) -> str:
     for key in ("tracking", "study", "arm", "cache_dir", "threads"):
         data.pop(key, None)
     data.get("train", {}).pop("checkpoint_every", None)  # how often progress is saved, not what is computed
+    if data.get("drafter", {}).get("checkpoint", "") is None:
+        del data["drafter"]["checkpoint"]  # a trained drafter: runs recorded before the key keep their hash
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -2,11 +2,15 @@
 
 Training writes a resume checkpoint every `train.checkpoint_every` steps (lab/train/resume.py): a run
 that is interrupted (Ctrl-C: the MLflow run ends KILLED) or fails is continued by rerunning the same
-command, in a new MLflow run tagged `resumed_from_step` and `resumed_from_run`."""
+command, in a new MLflow run tagged `resumed_from_step` and `resumed_from_run`.
+
+With `drafter.checkpoint` the run evaluates a drafter trained elsewhere instead: target -> load and check
+the checkpoint -> evaluation -> MLflow (no hidden-state cache, no training), logged like a trained run."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import tempfile
 import time
@@ -19,11 +23,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lab import track
-from lab.config import arm_name, aux_layers, config_hash, flatten, rollout_depth
+from lab.config import ConfigError, arm_name, aux_layers, config_hash, flatten, rollout_depth
 from lab.data.cache import build_or_load
 from lab.data.suites import build_suite
 from lab.data.text import training_sequences
-from lab.drafter import save_native, vllm_incompatibility
+from lab.drafter import Eagle3Drafter, load_checkpoint, save_native, vllm_incompatibility
+from lab.drafter import imported as imported_drafter
+from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite, heldout_metrics
 from lab.fsutil import claim
@@ -37,7 +43,7 @@ class RunHooks:
     """What a caller (a sweep) hears during a run. `on_train_metrics` may raise `track.RunStopped` to end
     the run early (pruning)."""
 
-    on_stage: Callable[[str], None] = lambda stage: None  # target, cache, train, eval SUITE, rollout
+    on_stage: Callable[[str], None] = lambda stage: None  # target, drafter|cache, train, eval SUITE, rollout
     on_start: Callable[[str], None] = lambda run_id: None  # the MLflow run id, once the run exists
     on_train_metrics: Callable[[dict[str, float], int], None] = lambda metrics, step: None
 
@@ -73,15 +79,27 @@ def run(
     stage("target")
     target = load_target(cfg, progress=progress)
     seconds["target"] = time.time() - t0
-    layers = aux_layers(cfg)
+    source: tuple[CheckpointInfo, Eagle3Drafter] | None = None
+    if cfg.drafter.checkpoint:
+        t0 = time.time()
+        stage("drafter")
+        source = _load_checkpoint(cfg, target)  # a bad checkpoint fails here, before any MLflow run
+        seconds["drafter"] = time.time() - t0
+        logged = _as_loaded(cfg, source[0])
+        layers = list(source[1].spec.aux_layer_ids)
+    else:
+        logged = cfg
+        layers = aux_layers(cfg)
     train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
-    t0 = time.time()
-    stage("cache")
-    hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
-    seconds["cache"] = time.time() - t0
+    hidden = None
+    if source is None:
+        t0 = time.time()
+        stage("cache")
+        hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
+        seconds["cache"] = time.time() - t0
     suites = [build_suite(name, target.tokenizer, cfg) for name in cfg.eval.suites]  # bad input fails here
 
-    arm = arm_name(cfg)
+    arm = arm_name(logged)
     tags = {
         "study": cfg.study,
         "arm": arm,
@@ -92,60 +110,44 @@ def run(
         "target_path": str(Path(target.path).resolve()),  # `lab export` names it as the verifier
         **(tags or {}),
     }
+    if source is not None:
+        tags.update({"drafter_source": str(source[0].path.resolve()), "drafter_format": source[0].format})
     t = cfg.tracking
-    resume_dir = resume.checkpoint_dir(cfg, target.fingerprint, layers) if cfg.train.checkpoint_every > 0 else None
+    resume_dir = None
+    if source is None and cfg.train.checkpoint_every > 0:
+        resume_dir = resume.checkpoint_dir(cfg, target.fingerprint, layers)
     with (
         _resume_checkpoint(resume_dir) as resume_dir,
         track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun,
         _records_error(mlrun),
     ):
         hooks.on_start(mlrun.id)
-        mlrun.log_params({**flatten(cfg), "resolved.aux_layers": layers})
-        mlrun.log_dict(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "config.yaml")
-        setup = {"cache/hit": float(hidden.stats["hit"]), "cache/seconds": hidden.stats["seconds"]}
-        if hidden.stats.get("build_seconds") is not None:
-            setup["cache/build_seconds"] = hidden.stats["build_seconds"]
+        params = {**flatten(logged), "resolved.aux_layers": layers}
+        if source is not None:
+            params["drafter.norm_before_residual"] = source[1].spec.norm_before_residual
+        mlrun.log_params(params)
+        mlrun.log_dict(OmegaConf.to_container(logged, resolve=True, enum_to_str=True), "config.yaml")
+        setup: dict[str, float] = {}
+        if hidden is not None:
+            setup = {"cache/hit": float(hidden.stats["hit"]), "cache/seconds": hidden.stats["seconds"]}
+            if hidden.stats.get("build_seconds") is not None:
+                setup["cache/build_seconds"] = hidden.stats["build_seconds"]
         if "val_loss" in target.info:
             setup["target/val_loss"] = target.info["val_loss"]
-        mlrun.log_metrics(setup)
+        if setup:
+            mlrun.log_metrics(setup)
 
-        counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
-        drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
-        checkpoint, state = None, None
-        if resume_dir is not None:
-            checkpoint = resume.Checkpointing(resume_dir, cfg.train.checkpoint_every, mlrun.id)
-            state = resume.load(resume_dir, cfg.train.steps)
-        if state is not None:
-            print(f"resuming training from step {state.step} of {state.steps} (checkpoint {resume_dir.name})")
-            mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
-            if state.run_id:
-                mlrun.set_tags({"resumed_from_run": state.run_id})
-        t0 = time.time()
-        stage("train")
-
-        def log_train(metrics: dict[str, float], step: int) -> None:
-            mlrun.log_metrics(metrics, step)
-            hooks.on_train_metrics(metrics, step)
-
-        result = train(
-            drafter,
-            hidden,
-            target.lm_head_weight,
-            cfg.train,
-            cfg.seed,
-            log=log_train,
-            progress=progress,
-            checkpoint=checkpoint,
-            resume=state,
-        )
-        seconds["train"] = time.time() - t0
-        if t.log_checkpoint:
+        metrics: dict[str, float | list[float]] = dict(setup)
+        if source is not None:
+            drafter = source[1]
+        else:
+            drafter, tokens_per_s = _train(cfg, mlrun, target, hidden, layers, resume_dir, hooks, progress, seconds)
+            if tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
+                metrics["train/final_tokens_per_s"] = tokens_per_s
+        if t.log_checkpoint:  # an imported drafter too, in our format: `lab export RUN_ID` works alike
             with tempfile.TemporaryDirectory() as tmp:
                 mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
 
-        metrics: dict[str, float | list[float]] = dict(setup)
-        if result.tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
-            metrics["train/final_tokens_per_s"] = result.tokens_per_s
         t0 = time.time()
         e = cfg.eval
         for suite in suites:
@@ -177,6 +179,63 @@ def run(
         mlrun.log_curves(final)
         metrics.update(final)
         return RunResult(mlrun.id, metrics, seconds)
+
+
+def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: RunHooks, progress: bool, seconds):
+    """Train the configured drafter on the cached hidden states (resuming a checkpoint if one is left);
+    returns it and its final training tokens/s."""
+    counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
+    drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
+    checkpoint, state = None, None
+    if resume_dir is not None:
+        checkpoint = resume.Checkpointing(resume_dir, cfg.train.checkpoint_every, mlrun.id)
+        state = resume.load(resume_dir, cfg.train.steps)
+    if state is not None:
+        print(f"resuming training from step {state.step} of {state.steps} (checkpoint {resume_dir.name})")
+        mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
+        if state.run_id:
+            mlrun.set_tags({"resumed_from_run": state.run_id})
+    t0 = time.time()
+    hooks.on_stage("train")
+
+    def log_train(metrics: dict[str, float], step: int) -> None:
+        mlrun.log_metrics(metrics, step)
+        hooks.on_train_metrics(metrics, step)
+
+    result = train(
+        drafter,
+        hidden,
+        target.lm_head_weight,
+        cfg.train,
+        cfg.seed,
+        log=log_train,
+        progress=progress,
+        checkpoint=checkpoint,
+        resume=state,
+    )
+    seconds["train"] = time.time() - t0
+    return drafter, result.tokens_per_s
+
+
+def _load_checkpoint(cfg: DictConfig, target) -> tuple[CheckpointInfo, Eagle3Drafter]:
+    """drafter.checkpoint checked against the loaded target (its vocabulary is known only now) and loaded,
+    the target's embedding filling a checkpoint saved without one."""
+    info = imported_drafter.resolve(
+        cfg.drafter.checkpoint, target.num_layers, target.hidden_size, target.vocab_size, cfg.drafter.aux_layers
+    )
+    try:
+        drafter = load_checkpoint(info.path, embed_weight=target.embed_weight, aux_layers=info.spec.aux_layer_ids)
+    except (FileNotFoundError, CheckpointError) as exc:
+        raise ConfigError("drafter.checkpoint", str(exc)) from None
+    return info, drafter
+
+
+def _as_loaded(cfg: DictConfig, info: CheckpointInfo) -> DictConfig:
+    """`cfg` with the drafter.* keys of the loaded checkpoint: what the run's params and config.yaml say."""
+    out = copy.deepcopy(cfg)
+    for key, value in imported_drafter.config_values(info.spec, info.format).items():
+        out.drafter[key] = value
+    return out
 
 
 @contextlib.contextmanager

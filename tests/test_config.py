@@ -76,7 +76,7 @@ def test_default_aux_layers_spread_over_the_target():
 
 
 BAD = [
-    (["drafter.foo=1"], "drafter.foo", "allowed under 'drafter': aux_layers, draft_vocab_size, fc_norm"),
+    (["drafter.foo=1"], "drafter.foo", "allowed under 'drafter': aux_layers, checkpoint, draft_vocab_size, fc_norm"),
     (["foo=1"], "foo", "allowed under '<root>': arm, cache_dir, data"),
     (["drafter.fc_norm=both"], "drafter.fc_norm", "per_layer"),
     (["drafter.norm_type=batchnorm"], "drafter.norm_type", "layernorm"),

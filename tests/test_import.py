@@ -1,17 +1,25 @@
 """Drafters trained elsewhere: checkpoints in TorchSpec's `tools/convert_to_hf.py` layout and in speculators'
 layout, written here from a drafter of ours (neither project is needed), load into the workbench and draft
-exactly as the source drafter does; an unusable one is refused in one line."""
+exactly as the source drafter does; `lab run drafter.checkpoint=DIR` evaluates one like a trained drafter and
+logs what it evaluated; a checkpoint that does not fit is refused in one line and records nothing."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import small_drafter
 from safetensors.torch import load_file, save_file
 
+from lab.config import ConfigError
 from lab.drafter import (
     CheckpointError,
     DrafterSpec,
@@ -22,6 +30,7 @@ from lab.drafter import (
     save_native,
     save_speculators,
 )
+from lab.drafter.imported import resolve
 
 # -- writers of the two foreign layouts (from what their sources write) ---------------------------------
 
@@ -367,3 +376,299 @@ def test_unusable_checkpoint_is_refused_in_one_line(tmp_path, case):
     assert "\n" not in text
     assert text.startswith(str(folder)), text
     assert message in text, text
+
+
+# -- fitting the target ----------------------------------------------------------------------------------
+
+
+def test_resolve_checks_the_checkpoint_fits_the_target(tmp_path):
+    folder = write_torchspec(source(fc_norm="per_layer", norm_output=True), tmp_path / "ts")
+    assert resolve(folder, num_layers=6, hidden_size=64, vocab_size=100).spec.aux_layer_ids == [1, 2, 3]
+    cases = [
+        (dict(vocab_size=128), "drafter.checkpoint", "vocab_size 100, the target's is 128"),
+        (dict(hidden_size=96), "drafter.checkpoint", "target_hidden_size 64, the target's hidden size is 96"),
+        (dict(num_layers=3), "drafter.checkpoint", "expected distinct ascending ids below the target's 3 layers"),
+        (dict(aux_layers=[0, 1, 2]), "drafter.aux_layers", "differs from the layers"),
+    ]
+    for change, key, message in cases:
+        args = {"num_layers": 6, "hidden_size": 64, "vocab_size": 100, **change}
+        with pytest.raises(ConfigError) as err:
+            resolve(folder, **args)
+        assert err.value.key == key and message in str(err.value), str(err.value)
+
+    bare = write_torchspec(source(), tmp_path / "bare", aux_ids=False)
+    assert resolve(bare, num_layers=8, hidden_size=64).spec.aux_layer_ids == [2, 4, 5]
+    assert resolve(bare, num_layers=4, hidden_size=64, aux_layers=[1, 2, 3]).spec.aux_layer_ids == [1, 2, 3]
+    for layers, default in [(4, "[2, 2, 1]"), (3, "[2, 1, 0]")]:
+        with pytest.raises(ConfigError, match=re.escape(f"is {default}, not distinct ascending ids; set drafter.aux")):
+            resolve(bare, num_layers=layers, hidden_size=64)
+
+
+def test_a_checkpoint_is_checked_at_composition_and_its_own_norms_decide_vllm(tmp_path):
+    """No target is built to refuse a checkpoint; whether vLLM can serve it is the checkpoint's matter,
+    not the drafter preset's."""
+    from lab.config import check_vllm_servable, compose
+
+    overrides = ["target=micro", "data=micro", "train=quick", "eval=quick", f"cache_dir={tmp_path / 'cache'}"]
+    layernorm = save_native(source(fc_norm="per_layer", norm_type="layernorm"), tmp_path / "ln")
+    cfg = compose([*overrides, "drafter=eagle31", f"drafter.checkpoint={layernorm}"])
+    cfg.eval.backends = ["ref", "vllm"]  # set after composing: composing it needs vLLM installed
+    with pytest.raises(ConfigError, match="'vllm' cannot serve drafter.checkpoint=.*drafter.norm_type=layernorm"):
+        check_vllm_servable(cfg)
+    cfg.eval.backends = ["ref"]
+    check_vllm_servable(cfg)
+    with pytest.raises(ConfigError, match="drafter.checkpoint: .*nothing.*missing"):
+        compose([*overrides, f"drafter.checkpoint={tmp_path / 'nothing'}"])
+    assert not (tmp_path / "cache").exists()
+
+
+# -- lab run drafter.checkpoint=DIR ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict[str, str]:
+    """A store of this module's own (the bad cases below must leave it exactly as the good run left it)."""
+    root = tmp_path_factory.mktemp("import-store")
+    return {"root": str(root), "uri": f"sqlite:///{root / 'mlflow.db'}", "artifacts": str(root / "artifacts")}
+
+
+def _run_overrides(micro_overrides: list[str], store: dict[str, str]) -> list[str]:
+    keep = [o for o in micro_overrides if not o.startswith("tracking.")]
+    return [*keep, f"tracking.uri={store['uri']}", f"tracking.artifact_root={store['artifacts']}", "study=imported"]
+
+
+def micro_drafter(target, **spec) -> Eagle3Drafter:
+    """A bf16-exact drafter that fits the micro target, its head and embedding the target's."""
+    c = target.model.config
+    d = source(
+        fc_norm="per_layer",
+        norm_output=True,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        target_hidden_size=c.hidden_size,
+        num_heads=c.num_attention_heads,
+        head_dim=c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        **spec,
+    )
+    with torch.no_grad():
+        d.lm_head.weight.copy_(target.lm_head_weight.to(torch.bfloat16).float())
+        d.embed_tokens.weight.copy_(target.embed_weight)
+    return d
+
+
+@pytest.fixture(scope="module")
+def imported_run(micro_overrides, micro_target, store, tmp_path_factory):
+    """`lab run` (the eagle3 preset) on a speculators EAGLE 3.1 checkpoint without its embedding."""
+    src = micro_drafter(micro_target, norm_before_residual=True)
+    folder = write_speculators(src, tmp_path_factory.mktemp("ckpt") / "speculators-eagle31")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lab.cli",
+            "run",
+            *_run_overrides(micro_overrides, store),
+            f"drafter.checkpoint={folder}",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+        cwd=store["root"],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return src, folder, proc.stdout.strip().splitlines()[-1]
+
+
+def test_lab_run_evaluates_an_imported_drafter_and_logs_what_it_evaluated(
+    imported_run, micro_overrides, micro_target, store, tmp_path
+):
+    import mlflow
+
+    from lab.config import compose
+    from lab.data.suites import build_suite
+    from lab.eval.run import evaluate_suite
+
+    src, folder, run_id = imported_run
+    client = mlflow.MlflowClient(tracking_uri=store["uri"])
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    params, tags, metrics = run.data.params, run.data.tags, run.data.metrics
+    # the checkpoint's drafter, not the eagle3 preset the run was composed with
+    assert params["drafter.fc_norm"] == "per_layer" and params["drafter.norm_output"] == "True"
+    assert params["drafter.norm_type"] == "rmsnorm" and params["drafter.num_layers"] == "1"
+    assert params["drafter.aux_layers"] == "[1, 2, 3]" and params["resolved.aux_layers"] == "[1, 2, 3]"
+    assert params["drafter.draft_vocab_size"] == "None" and params["drafter.norm_before_residual"] == "True"
+    assert params["drafter.checkpoint"] == str(folder)
+    assert tags["drafter_source"] == str(folder.resolve()) and tags["drafter_format"] == "speculators"
+    assert tags["arm"] == "speculators-eagle31"
+    config = yaml.safe_load(Path(client.download_artifacts(run_id, "config.yaml", str(tmp_path))).read_text())
+    assert config["drafter"]["fc_norm"] == "per_layer" and config["drafter"]["name"] == "speculators-eagle31"
+    # evaluated, not trained: no cache, no training metrics
+    assert not [k for k in metrics if k.startswith(("train/", "cache/"))]
+    for key in ["eval/in_dist/ref/k3/al", "drift/in_dist/k3/sink_mass", "eval/in_dist/rollout/acc", "drift/fc_share"]:
+        assert key in metrics, key
+    assert metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
+    # the logged checkpoint is the source drafter (the target's embedding filled in), in our format
+    logged = load_checkpoint(client.download_artifacts(run_id, "checkpoint", str(tmp_path)))
+    for name, tensor in src.state_dict().items():
+        assert torch.equal(logged.state_dict()[name], tensor), name
+    # ... and the AL is the reference decoder's on that drafter
+    cfg = compose(_run_overrides(micro_overrides, store))
+    suite = build_suite("in_dist", micro_target.tokenizer, cfg)
+    direct = evaluate_suite(micro_target.model, src, suite, [3], progress=False)["eval/in_dist/ref/k3/al"]
+    assert metrics["eval/in_dist/ref/k3/al"] == pytest.approx(direct, rel=0.02)
+
+
+def test_lab_export_takes_the_imported_run(imported_run, store, tmp_path):
+    from lab.cli import main
+
+    src, _, run_id = imported_run
+    overrides = [f"tracking.uri={store['uri']}", f"tracking.artifact_root={store['artifacts']}"]
+    assert main(["export", run_id, "--out", str(tmp_path / "out"), "--format", "native", *overrides]) == 0
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["norm_before_residual"] is True and exported["fc_norm"] is True
+    assert_drafts_alike(src, load_checkpoint(tmp_path / "out"))
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*") if p.is_file()
+    }
+
+
+def _bad_checkpoints(target, root: Path) -> dict[str, tuple[list[str], str]]:
+    """Checkpoints that do not fit the micro target (4 layers, width 64): (overrides, expected line)."""
+    wrong_vocab = write_torchspec(source(vocab_size=100, fc_norm="per_layer"), root / "vocab")
+    no_weights = write_torchspec(micro_drafter(target), root / "noweights")
+    (no_weights / "model.safetensors").unlink()
+    qwen3 = write_speculators(micro_drafter(target), root / "qwen3")
+    _edit_config(qwen3, lambda c: c["transformer_layer_config"].update(model_type="qwen3"))
+    no_ids = write_torchspec(micro_drafter(target), root / "noids", aux_ids=False)
+    return {
+        "wrong vocabulary": ([f"drafter.checkpoint={wrong_vocab}"], f"{wrong_vocab}: vocab_size 100, the target's is"),
+        "no weight file": ([f"drafter.checkpoint={no_weights}"], f"{no_weights / 'model.safetensors'}: missing"),
+        "qwen3 layer": ([f"drafter.checkpoint={qwen3}"], "transformer_layer_config.model_type 'qwen3'"),
+        "no aux ids, shallow target": (
+            [f"drafter.checkpoint={no_ids}"],
+            "not distinct ascending ids; set drafter.aux_layers",
+        ),
+        "aux ids other than trained": (
+            [
+                f"drafter.checkpoint={write_torchspec(micro_drafter(target), root / 'ids')}",
+                "drafter.aux_layers=[0,1,2]",
+            ],
+            "drafter.aux_layers: [0, 1, 2] differs from the layers",
+        ),
+    }
+
+
+def test_a_checkpoint_that_does_not_fit_fails_in_one_line_and_records_nothing(
+    imported_run, micro_overrides, micro_target, store, tmp_path, capsys
+):
+    from lab.cli import main
+
+    root = Path(store["root"])
+    before = _snapshot(root)
+    for case, (extra, line) in _bad_checkpoints(micro_target, tmp_path).items():
+        assert main(["run", *_run_overrides(micro_overrides, store), *extra]) == 2, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: drafter.") and line in err[0], (case, err)
+        assert _snapshot(root) == before, case
+
+
+# -- vLLM (slow): an imported drafter is served as vLLM serves the checkpoint itself ----------------------
+
+
+def _bf16_exact(drafter: Eagle3Drafter, **spec) -> Eagle3Drafter:
+    """A copy of `drafter` whose weights a bf16 checkpoint holds exactly, with `spec` fields changed."""
+    out = Eagle3Drafter(DrafterSpec(**{**drafter.spec.to_dict(), **spec}))
+    state = drafter.state_dict()
+    out.load_state_dict({k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()})
+    return out.eval()
+
+
+def _vllm_al(target, drafter: Eagle3Drafter, suite, tmp_path: Path, checkpoint: Path | None = None) -> dict:
+    from omegaconf import OmegaConf
+
+    from lab.eval import vllm_backend
+
+    cfg = OmegaConf.create(
+        {
+            "max_new_tokens": suite.max_new_tokens,
+            "temperature": 0.0,
+            "vllm": {
+                "format": "speculators",
+                "concurrency": [1],
+                "throughput_suites": [],
+                "dtype": "float32",
+                "kv_cache_gib": 1,
+                "timeout_s": 600,
+            },
+        }
+    )
+    log = tmp_path / f"worker-{len(list(tmp_path.glob('worker-*')))}.log"
+    return vllm_backend.evaluate(target.path, drafter, [suite], [3], cfg, 0, 2, log, 2048, checkpoint=checkpoint)
+
+
+def _ref_al(target, drafter: Eagle3Drafter, suite) -> float:
+    from lab.eval.run import evaluate_suite
+
+    return evaluate_suite(target.model, drafter, suite, [3], progress=False)["eval/in_dist/ref/k3/al"]
+
+
+@pytest.mark.slow
+def test_lab_run_evaluates_a_torchspec_drafter_in_vllm_too(trained_eagle31, micro_overrides, micro_target, tmp_path):
+    """A trained EAGLE 3.1 drafter as TorchSpec's convert_to_hf.py writes it: `lab run` evaluates it with
+    both backends, which agree; vLLM reading the TorchSpec folder itself agrees as well."""
+    import mlflow
+
+    from lab.config import compose
+    from lab.data.suites import build_suite
+
+    src = _bf16_exact(trained_eagle31[0])
+    folder = write_torchspec(src, tmp_path / "torchspec-eagle31")
+    store = {"root": str(tmp_path), "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifacts": str(tmp_path / "art")}
+    overrides = [*_run_overrides(micro_overrides, store), "eval.backends=[ref,vllm]", "eval.vllm.concurrency=[1]"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "run", *overrides, f"drafter.checkpoint={folder}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = mlflow.MlflowClient(tracking_uri=store["uri"]).get_run(proc.stdout.strip().splitlines()[-1])
+    assert run.data.tags["drafter_format"] == "torchspec" and "vllm_skipped" not in run.data.tags
+    metrics = run.data.metrics
+    ref = metrics["eval/in_dist/ref/k3/al"]
+    assert ref > 1.3  # trained: parity is not trivially 1 == 1
+    assert metrics["eval/in_dist/vllm/k3/exact_match"] == 1.0
+    assert metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(ref, rel=0.03)
+    assert metrics["eval/in_dist/vllm/k3/c1/speedup"] > 0
+
+    suite = build_suite("in_dist", micro_target.tokenizer, compose(overrides))
+    direct = _vllm_al(micro_target, load_checkpoint(folder), suite, tmp_path, checkpoint=folder)
+    assert direct["eval/in_dist/vllm/k3/al"] == pytest.approx(ref, rel=0.03)
+
+
+@pytest.mark.slow
+def test_vllm_honours_norm_before_residual_of_an_imported_drafter(
+    trained_eagle31, micro_overrides, micro_target, tmp_path
+):
+    """The trained weights with norm_before_residual switched on, as a speculators checkpoint: the
+    reference decoder's AL moves, and vLLM's follows it there."""
+    from lab.config import compose
+    from lab.data.suites import build_suite
+
+    off = _bf16_exact(trained_eagle31[0])
+    folder = write_speculators(_bf16_exact(off, norm_before_residual=True), tmp_path / "speculators")
+    on = load_checkpoint(folder, embed_weight=micro_target.embed_weight)
+    assert on.spec.norm_before_residual
+    suite = build_suite("in_dist", micro_target.tokenizer, compose(micro_overrides))
+    ref_on, ref_off = _ref_al(micro_target, on, suite), _ref_al(micro_target, off, suite)
+    assert ref_on != ref_off
+    vllm_on = _vllm_al(micro_target, on, suite, tmp_path)["eval/in_dist/vllm/k3/al"]
+    assert abs(vllm_on - ref_on) < abs(ref_on - ref_off) / 2, (vllm_on, ref_on, ref_off)
