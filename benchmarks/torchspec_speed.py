@@ -23,27 +23,18 @@ import time
 
 import torch
 
-from lab.config import ConfigError, aux_layers, compose, target_shape
-from lab.drafter import DrafterSpec, Eagle3Drafter
+from lab.config import ConfigError, aux_layers, compose
+from lab.drafter import Eagle3Drafter
 from lab.pipeline import set_threads
-from lab.train.ttt import ttt_loss
+from lab.train.torchspec_config import target_model_config
+from lab.train.ttt import drafter_spec, ttt_loss
 
 
 def drafter_for(cfg) -> Eagle3Drafter:
-    shape = target_shape(cfg)
-    spec = DrafterSpec(
-        hidden_size=shape["hidden_size"],
-        target_hidden_size=shape["hidden_size"],
-        aux_layer_ids=aux_layers(cfg),
-        vocab_size=cfg.target.vocab_size,
-        num_heads=shape["num_heads"],
-        head_dim=shape["head_dim"],
-        intermediate_size=cfg.target.intermediate_size,
-        fc_norm=cfg.drafter.fc_norm.value,
-        norm_output=cfg.drafter.norm_output,
-    )
+    """The configured arm's drafter, shaped after the configured target without loading its weights."""
+    model_config, _ = target_model_config(cfg)
     torch.manual_seed(cfg.seed)
-    return Eagle3Drafter(spec)
+    return Eagle3Drafter(drafter_spec(model_config, cfg.drafter, aux_layers(cfg)))
 
 
 def main() -> int:
@@ -62,18 +53,20 @@ def main() -> int:
 
     t = cfg.train
     b, seq = t.batch_size, cfg.data.seq_len
-    width = len(aux_layers(cfg)) * target_shape(cfg)["hidden_size"]
+    spec = drafter_for(cfg).spec
+    hidden, vocab = spec.hidden_size, spec.vocab_size
+    width = spec.num_aux * spec.target_hidden_size
     g = torch.Generator().manual_seed(0)
     batches = [
         (
-            torch.randint(0, cfg.target.vocab_size, (b, seq), generator=g),
+            torch.randint(0, vocab, (b, seq), generator=g),
             torch.randn(b, seq, width, generator=g) * 4,
-            torch.randn(b, seq, target_shape(cfg)["hidden_size"], generator=g),
+            torch.randn(b, seq, hidden, generator=g),
             torch.ones(b, seq, dtype=torch.uint8),
         )
         for _ in range(4)
     ]
-    lm_head = torch.randn(cfg.target.vocab_size, target_shape(cfg)["hidden_size"], generator=g) * 0.05
+    lm_head = torch.randn(vocab, hidden, generator=g) * 0.05
 
     runners = {}
     for backend in ("native", "torchspec"):
@@ -98,7 +91,7 @@ def main() -> int:
 
     print(
         f"drafter {cfg.drafter.fc_norm.value}/norm_output={cfg.drafter.norm_output}, hidden "
-        f"{target_shape(cfg)['hidden_size']}, vocab {cfg.target.vocab_size}, batch {b} x {seq} tokens, "
+        f"{hidden}, vocab {vocab}, batch {b} x {seq} tokens, "
         f"ttt_length {t.ttt_length}, {torch.get_num_threads()} threads"
     )
     started = time.time()
