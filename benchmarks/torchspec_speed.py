@@ -4,7 +4,8 @@ on the same shapes, the same batches and the same machine, measured side by side
 Both run the full training step of our loop (TTT forward over `train.ttt_length` steps, loss,
 backward, gradient clipping, AdamW) on batches shaped like the configured training data (the drafter
 shaped after the configured target: width, heads, MLP, vocabulary, captured layers). The values are
-random: speed does not depend on them. TorchSpec compiles its loss on first use, so both backends warm
+random (speed does not depend on them), and the loss covers a share of the positions as the
+assistant's tokens do in chat data (`--loss-share`). TorchSpec compiles its loss on first use, so both backends warm
 up first; then the backends alternate in rounds, so that machine noise hits both alike, and the ratio
 is reported per round and as the median.
 
@@ -42,6 +43,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per backend per round (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first (default 3)")
+    parser.add_argument(
+        "--loss-share",
+        type=float,
+        default=0.34,
+        help="share of positions the loss covers (the assistant's tokens: 0.34 in data=micro's conversations); "
+        "both backends skip the others before lm_head (default 0.34)",
+    )
     args, overrides = parser.parse_known_args()
     try:
         cfg = compose([*overrides, "train.backend=torchspec"])
@@ -62,7 +70,7 @@ def main() -> int:
             torch.randint(0, vocab, (b, seq), generator=g),
             torch.randn(b, seq, width, generator=g) * 4,
             torch.randn(b, seq, hidden, generator=g),
-            torch.ones(b, seq, dtype=torch.uint8),
+            (torch.rand(b, seq, generator=g) < args.loss_share).to(torch.uint8),
         )
         for _ in range(4)
     ]
@@ -92,7 +100,7 @@ def main() -> int:
     print(
         f"drafter {cfg.drafter.fc_norm.value}/norm_output={cfg.drafter.norm_output}, hidden "
         f"{hidden}, vocab {vocab}, batch {b} x {seq} tokens, "
-        f"ttt_length {t.ttt_length}, {torch.get_num_threads()} threads"
+        f"ttt_length {t.ttt_length}, loss on {args.loss_share:.0%} of positions, {torch.get_num_threads()} threads"
     )
     started = time.time()
     for step in runners.values():

@@ -133,19 +133,20 @@ def ttt_loss(
     loss = torch.zeros(())
     plosses, accs = [], []
     vocab = target_p.shape[-1]
+    hidden = drafter.spec.hidden_size
     for i, h_out in enumerate(outs):
         n = t - 1 - i  # positions whose target p_{t+i+1} exists; step i there predicts x_{t+i+1}
-        logits = drafter.logits(h_out[:, :n]).float()
-        weight = learnable[:, i + 1 : i + 1 + n].reshape(-1)
-        counted = predicts[:, i + 1 : i + 1 + n].reshape(-1)
+        # only the counted positions reach lm_head: in chat data most tokens are not the assistant's
+        rows = predicts[:, i + 1 : i + 1 + n].reshape(-1).nonzero().squeeze(-1)
+        logits = drafter.logits(h_out[:, :n].reshape(-1, hidden).index_select(0, rows)).float()
+        weight = learnable[:, i + 1 : i + 1 + n].reshape(-1)[rows]
         # soft-label cross-entropy == forward KL up to the target's (constant) entropy; fused kernel
-        ce = F.cross_entropy(
-            logits.reshape(-1, vocab), target_p[:, i + 1 : i + 1 + n].reshape(-1, vocab), reduction="none"
-        )
+        target_rows = target_p[:, i + 1 : i + 1 + n].reshape(-1, vocab).index_select(0, rows)
+        ce = F.cross_entropy(logits, target_rows, reduction="none")
         ploss = (ce * weight).sum() / weight.sum().clamp_min(1.0)
         drafted = drafter.to_target_ids(logits.detach().argmax(-1))
-        hits = (drafted == target_top[:, i + 1 : i + 1 + n]).float().reshape(-1)
-        acc = (hits * counted).sum() / counted.sum().clamp_min(1.0)
+        hits = drafted == target_top[:, i + 1 : i + 1 + n].reshape(-1)[rows]
+        acc = hits.float().sum() / max(rows.numel(), 1)
         loss = loss + (step_weight**i) * ploss
         plosses.append(ploss.item())
         accs.append(acc.item())
