@@ -78,7 +78,9 @@ def test_checkpoint_round_trip(tmp_path, fc_norm, norm_output, norm_type):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["fc_norm"] == (fc_norm == "per_layer") and cfg["norm_before_fc"] == (fc_norm == "concat")
     assert cfg["norm_output"] == norm_output
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert (
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    )
     back = load_checkpoint(tmp_path)
     tokens, aux = torch.randint(0, 100, (2, 7)), torch.randn(2, 7, 192)
     with torch.no_grad():
@@ -145,7 +147,7 @@ def test_multi_layer_export_has_the_norms_vllm_loads_strictly(tmp_path):
 def test_checkpoint_without_aux_ids_takes_vllms_default(tmp_path):
     save_native(make(), tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    del cfg["eagle_config"]
+    del cfg["eagle_config"], cfg["eagle_aux_hidden_state_layer_ids"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
         load_checkpoint(tmp_path)

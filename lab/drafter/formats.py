@@ -67,6 +67,8 @@ def native_config(spec: DrafterSpec) -> dict:
         "norm_before_fc": spec.fc_norm == "concat",
         "norm_output": spec.norm_output,
         "norm_before_residual": spec.norm_before_residual,
+        # vLLM reads the top-level key first, and its v2 GPU runner reads only that one
+        "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids),
             "use_aux_hidden_state": True,
@@ -85,6 +87,7 @@ _EAGLE3_KEYS = (
     "norm_before_fc",
     "norm_output",
     "norm_before_residual",
+    "eagle_aux_hidden_state_layer_ids",
     "eagle_config",
     "lab",
 )
