@@ -15,11 +15,7 @@ from lab.cli import main
 from lab.config import compose, config_hash
 
 MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
-TORCHSPEC_MISSING = (
-    "TorchSpec is not importable here: it is not on PyPI; install it from source with EAGLE 3.1 "
-    "(pip install --no-deps 'torchspec @ git+https://github.com/Dogacel/TorchSpec' plus its omegaconf, "
-    "pydantic and transformers) and run this test with that Python"
-)
+TORCHSPEC_MISSING = "TorchSpec is not installed: README, section TorchSpec, says how to install it and run this test"
 
 
 def export(tmp_path: Path, *args: str, name: str = "out") -> tuple[int, Path]:
