@@ -35,6 +35,7 @@ from lab.eval.run import evaluate_suite, heldout_metrics
 from lab.fsutil import claim
 from lab.target import load as load_target
 from lab.train import resume
+from lab.train import torchspec as torchspec_backend
 from lab.train.ttt import init_drafter, train
 
 
@@ -112,6 +113,8 @@ def run(
     }
     if source is not None:
         tags.update({"drafter_source": str(source[0].path.resolve()), "drafter_format": source[0].format})
+    elif cfg.train.backend == "torchspec":
+        tags.update(torchspec_backend.provenance())
     t = cfg.tracking
     resume_dir = None
     if source is None and cfg.train.checkpoint_every > 0:

@@ -229,3 +229,23 @@ def test_parity_fixture_checkpoint_is_what_torchspec_reads(tmp_path):
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["fc_norm"] is True and config["norm_output"] is True
     assert len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
+
+
+@needs_torchspec
+def test_lab_run_with_the_torchspec_backend(micro_overrides, micro_target, workdir):
+    """`lab run train.backend=torchspec` end to end: trained by TorchSpec's classes, evaluated and logged
+    like any run, with the TorchSpec that trained it in the run's tags."""
+    import mlflow
+
+    from lab.pipeline import run
+
+    cfg = compose([*micro_overrides, "drafter=eagle31", "train.backend=torchspec", "study=torchspec-run"])
+    result = run(cfg, progress=False)
+    mlflow.set_tracking_uri(cfg.tracking.uri)
+    logged = mlflow.get_run(result.run_id)
+    assert logged.info.status == "FINISHED"
+    assert logged.data.params["train.backend"] == "torchspec"
+    assert logged.data.tags["torchspec_version"] and logged.data.tags["torchspec_commit"]
+    history = mlflow.MlflowClient().get_metric_history(result.run_id, "train/loss")
+    assert len(history) == cfg.train.steps // cfg.train.log_every and history[-1].value < history[0].value
+    assert result.metrics["eval/in_dist/ref/k3/exact_match"] == 1.0 and result.metrics["eval/in_dist/ref/k3/al"] > 1

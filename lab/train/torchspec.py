@@ -23,6 +23,10 @@ vocabulary (ours counts the others as misses); the losses agree.
 
 from __future__ import annotations
 
+import importlib.metadata
+import subprocess
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,6 +34,20 @@ import torch.nn.functional as F
 from lab.drafter import Eagle3Drafter
 from lab.drafter.formats import native_config
 from lab.train.ttt import StepStats
+
+
+def provenance() -> dict[str, str]:
+    """Which TorchSpec trained the run (MLflow tags): its version and, for a checkout, its commit."""
+    import torchspec
+
+    try:
+        version = importlib.metadata.version("torchspec")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        version = "unknown"
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(torchspec.__file__).parent
+    ).stdout.strip()
+    return {"torchspec_version": version, "torchspec_commit": commit or "unknown"}
 
 
 def _internal_name(ours: str) -> str:
