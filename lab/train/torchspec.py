@@ -72,7 +72,8 @@ def build_model(drafter: Eagle3Drafter, attention_backend: str = "sdpa") -> nn.M
             "match (a TorchSpec version with another layout?)"
         )
     for name, param in ours.items():
-        owner, leaf = _owner(model, _internal_name(name))
+        path, _, leaf = _internal_name(name).rpartition(".")
+        owner = model.get_submodule(path)
         if getattr(owner, leaf).shape != param.shape:
             raise RuntimeError(f"TorchSpec's {_internal_name(name)} has shape {tuple(getattr(owner, leaf).shape)}")
         setattr(owner, leaf, param)  # the same Parameter object: one set of weights, two modules
@@ -84,13 +85,6 @@ def build_model(drafter: Eagle3Drafter, attention_backend: str = "sdpa") -> nn.M
         # a TorchSpec before EAGLE 3.1 would silently ignore the key and train an EAGLE-3 feedback
         raise RuntimeError("the installed TorchSpec predates EAGLE 3.1 (no norm_output); install a newer one")
     return model
-
-
-def _owner(module: nn.Module, dotted: str) -> tuple[nn.Module, str]:
-    *path, leaf = dotted.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return module, leaf
 
 
 class TorchSpecTTT:
