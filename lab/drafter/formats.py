@@ -5,10 +5,13 @@ native (vLLM / TorchSpec): `architectures: ["LlamaForCausalLMEagle3"]`, the EAGL
 speculators: `speculators_model_type: eagle3`, the Llama layer under `transformer_layer_config`, the
   proposal method (k) and the verifier (the target's path) under `speculators_config`.
 Both carry the same weights (`fc.weight`, `fc_norm.{i}.weight`, `layers.0.*`, `norm.weight`,
-`lm_head.weight`, `embed_tokens.weight`), and `d2t` only when the draft vocabulary is smaller than the
-target's. What only the workbench needs to rebuild the module exactly (the norm type) lives under
-`lab`, which other readers ignore. Weights are read as safetensors only (no pickle). A plain EAGLE-3
-checkpoint (no 3.1 keys, `midlayer.*` weight names, no aux layer ids) loads too.
+`lm_head.weight`, `embed_tokens.weight`), and only when the draft vocabulary is smaller than the target's
+its mapping: `d2t` (int64 [draft_vocab_size], target id = draft id + d2t[draft id]; all vLLM reads) and
+`t2d` (bool [vocab_size], True at the target ids of the draft vocabulary: speculators needs it to pick the
+verifier's lm_head rows, and vLLM's loader skips it); on load the two must agree. What only the workbench
+needs to rebuild the module exactly (the norm type) lives under `lab`, which other readers ignore. Weights
+are read as safetensors only (no pickle). A plain EAGLE-3 checkpoint (no 3.1 keys, `midlayer.*` weight
+names, no aux layer ids) loads too.
 
 Drafters trained elsewhere load into the same module (`checkpoint_format` says whose a folder is):
 TorchSpec's `tools/convert_to_hf.py` output (the native layout in bf16, `_torchspec_version`, `t2d` beside
@@ -244,10 +247,18 @@ def _native_from_speculators(cfg: dict, where: str | Path = CONFIG) -> dict:
     return out
 
 
+def target_mask(drafter: Eagle3Drafter) -> torch.Tensor:
+    """t2d: a bool mask over the target vocabulary [vocab_size], True at the target ids of the draft vocabulary."""
+    mask = torch.zeros(drafter.spec.vocab_size, dtype=torch.bool)
+    mask[drafter.draft_token_ids().cpu()] = True
+    return mask
+
+
 def _weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in drafter.state_dict().items()}
     if "d2t" in state:
         state["d2t"] = drafter.d2t.detach().to(torch.int64).contiguous()
+        state["t2d"] = target_mask(drafter)
     # vLLM builds a hidden_norm in every layer and loads strictly; only layer 0's is used
     for i in range(1, drafter.spec.num_layers):
         state[f"layers.{i}.hidden_norm.weight"] = torch.ones(drafter.spec.hidden_size)
@@ -357,8 +368,9 @@ def _unused_hidden_norm(key: str) -> bool:
 
 def _dropped(key: str, spec: DrafterSpec) -> bool:
     """Weights other trainers save that this drafter does not use: speculators' copy of the verifier's
-    head, the target-to-draft mask (vLLM reads d2t only), an identity d2t of an unpruned vocabulary, and
-    the hidden_norm vLLM wants in every layer."""
+    head, the target-to-draft mask (checked against d2t on load; the module keeps d2t only, an export
+    rebuilds t2d from it), an identity d2t of an unpruned vocabulary, and the hidden_norm vLLM wants in
+    every layer."""
     if key.startswith("verifier_") or key == "t2d" or _unused_hidden_norm(key):
         return True
     return key == "d2t" and spec.draft_vocab_size == spec.vocab_size
@@ -404,6 +416,11 @@ def inspect_checkpoint(
             raise CheckpointError(f"{file}: {k} has shape {shape}, expected {expected[k]}; {what}")
     if spec.draft_vocab_size == spec.vocab_size and "d2t" in shapes and shapes["d2t"] != [spec.vocab_size]:
         raise CheckpointError(f"{file}: d2t has shape {shapes['d2t']}, expected [{spec.vocab_size}]; {what}")
+    if "t2d" in shapes and shapes["t2d"] != [spec.vocab_size]:
+        raise CheckpointError(
+            f"{file}: t2d has shape {shapes['t2d']}, expected [{spec.vocab_size}] "
+            f"(one entry per target id, vocab_size of {CONFIG})"
+        )
     return CheckpointInfo(path, _format(path, cfg, metadata), spec, named, has_embedding)
 
 
@@ -428,11 +445,13 @@ def load_checkpoint(
     spec, file = info.spec, path / WEIGHTS
     raw = load_file(str(file))
     state = {_canonical(k): v for k, v in raw.items() if not _dropped(_canonical(k), spec)}
-    d2t = raw.get("d2t")
+    d2t, t2d = raw.get("d2t"), raw.get("t2d")
+    ids = None if d2t is None else _draft_ids(d2t, spec, file)
+    if t2d is not None:
+        _check_t2d(t2d, ids, spec, file)
     if spec.draft_vocab_size < spec.vocab_size:
-        state["d2t"] = _draft_ids(d2t, spec, file) - torch.arange(spec.draft_vocab_size)
-    elif d2t is not None:
-        ids = _draft_ids(d2t, spec, file)
+        state["d2t"] = ids - torch.arange(spec.draft_vocab_size)
+    elif ids is not None:
         # a reordered full vocabulary: put lm_head's rows in target order, which needs no d2t
         state["lm_head.weight"] = torch.empty_like(state["lm_head.weight"]).index_copy_(0, ids, state["lm_head.weight"])
     if not info.has_embedding:
@@ -460,3 +479,27 @@ def _draft_ids(d2t: torch.Tensor, spec: DrafterSpec, file: Path) -> torch.Tensor
             f"expected offsets to {spec.draft_vocab_size} distinct ids below {spec.vocab_size}"
         )
     return ids
+
+
+def _check_t2d(t2d: torch.Tensor, ids: torch.Tensor | None, spec: DrafterSpec, file: Path) -> None:
+    """t2d (shape already checked) marks exactly draft_vocab_size target ids, and where d2t is there too
+    exactly the ids it maps to: readers that use one of the two (vLLM d2t, speculators t2d) must see the
+    same draft vocabulary."""
+    if not ((t2d == 0) | (t2d == 1)).all():
+        raise CheckpointError(
+            f"{file}: t2d holds values other than 0 and 1 ({t2d.dtype}); "
+            "expected a bool mask over the target vocabulary"
+        )
+    mask = t2d.to(torch.bool)
+    marked = int(mask.sum())
+    if marked != spec.draft_vocab_size:
+        raise CheckpointError(
+            f"{file}: t2d marks {marked} target ids; expected {spec.draft_vocab_size} (draft_vocab_size of {CONFIG})"
+        )
+    if ids is not None and not bool(mask[ids].all()):
+        # ids are distinct and as many as t2d marks: all of them marked means the same set
+        first = int((~mask[ids]).nonzero()[0])
+        raise CheckpointError(
+            f"{file}: t2d disagrees with d2t (d2t maps draft id {first} to target id {int(ids[first])}, which t2d "
+            "does not mark); expected t2d True exactly at the target ids d2t maps to"
+        )
