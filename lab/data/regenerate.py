@@ -1,0 +1,314 @@
+"""Regeneration: every assistant turn of a conversation replaced by the target's own greedy answer.
+
+This is EAGLE-3's (and speculators') data recipe: a drafter is scored on predicting what its target says,
+so it learns best from the target's own outputs, not from whatever model wrote the dataset. Turn i's
+prompt is rendered with the target's earlier answers in place (`chat.prompt(messages[:i])`), so a later
+turn follows the conversation the target itself would have had.
+
+Work goes in waves over the turn index (every conversation's first assistant turn, then every second
+one, ...) so that a backend batches many conversations at once, chunk by chunk.
+
+Cutting, so that no token is generated that the training sequence (`seq_len` tokens) would drop anyway:
+- a turn whose prompt already reaches `seq_len` tokens is not generated; the conversation ends before it,
+  on the previous assistant turn. If that happens at the first assistant turn, the turn is kept with an
+  empty answer (content ""), so that the conversation keeps its id and place and stays well formed;
+- an answer gets at most `min(max_new_tokens, seq_len - prompt length)` tokens;
+- an empty answer (the target ends its turn at once) is kept as "" and ends the conversation: a next turn
+  would follow an assistant that said nothing, a conversation no one has.
+
+Cache: `{cache_dir}/regen/{key}/part_00000.jsonl ... manifest.json`, one part per chunk of `chunk_size`
+conversations, published as each chunk finishes (with its sha256 in the manifest, checked on every load),
+so an interrupted run resumes from the finished chunks. The key hashes the target, the conversations, the
+chat template, the generation settings and the backend (vLLM's bf16 and transformers' fp32 greedy answers
+differ), so a complete entry is a hit that never runs the target. A file lock keeps two processes from
+regenerating the same entry at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from lab.data.conversations import Conversation
+from lab.fsutil import atomic_file, file_lock, sha256_file, short_hash
+from lab.target.generate import Generate, open_generator, resolve_backend, resolve_dtype
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+CHUNK_CONVERSATIONS = 64
+
+
+@dataclass
+class RegenResult:
+    conversations: list[Conversation]
+    stats: dict  # hit, backend, generated_tokens, seconds, tokens_per_s, chunks_generated, ...
+    path: Path | None = None
+    cut: dict[str, str] = field(default_factory=dict)  # conversation id -> why it ends early (seq_len, empty)
+
+
+def chat_identity(chat: Any) -> Any:
+    """What makes `chat` render the way it does: the tokenizer's jinja template, or lab's template and BOS."""
+    from lab.target.chat_template import HandChat, TokenizerChat
+
+    if isinstance(chat, TokenizerChat):
+        return {"kind": "tokenizer", "template": chat.tokenizer.chat_template}
+    if isinstance(chat, HandChat):
+        return {"kind": "hand", "template": dataclasses.asdict(chat.template), "bos": chat.renderer.bos}
+    if hasattr(chat, "identity"):
+        return chat.identity
+    raise TypeError(f"cannot key a regeneration cache on a chat format of type {type(chat).__name__}")
+
+
+def conversations_hash(conversations: list[Conversation]) -> str:
+    return short_hash([[c.id, list(c.messages)] for c in conversations], n=32)
+
+
+def cache_key(
+    target: Any,
+    conversations: list[Conversation],
+    chat: Any,
+    max_new_tokens: int,
+    seq_len: int,
+    backend: str,
+    dtype: str,
+    chunk_size: int,
+) -> str:
+    return short_hash(
+        {
+            "target": target.fingerprint,
+            "conversations": conversations_hash(conversations),
+            "chat": chat_identity(chat),
+            "max_new_tokens": max_new_tokens,
+            "seq_len": seq_len,
+            "backend": backend,
+            "dtype": dtype,
+            "chunk_size": chunk_size,
+            "format": FORMAT,
+        }
+    )
+
+
+def regenerate(
+    target: Any,
+    conversations: list[Conversation],
+    chat: Any,
+    *,
+    max_new_tokens: int,
+    seq_len: int,
+    backend: str,
+    cache_dir: str | Path,
+    progress: bool = True,
+    threads: int | None = None,
+    dtype: str = "auto",
+    chunk_size: int = CHUNK_CONVERSATIONS,
+) -> RegenResult:
+    """`conversations` (same ids, same order) with every assistant turn the target's greedy answer, cut as the
+    module docstring says; from the cache when the entry is complete. `dtype` is vLLM's (the hf backend runs
+    the loaded model as it is, and the key records that model's dtype instead)."""
+    conversations = list(conversations)
+    backend = resolve_backend(backend)
+    gen_dtype = resolve_dtype(dtype) if backend == "vllm" else str(target.model.dtype).removeprefix("torch.")
+    key = cache_key(target, conversations, chat, max_new_tokens, seq_len, backend, gen_dtype, chunk_size)
+    path = Path(cache_dir) / "regen" / key
+    chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
+    started = time.time()
+    run = {"generated_tokens": 0, "generation_seconds": 0.0, "chunks_generated": 0}
+
+    manifest = _verified(path)
+    hit = _complete(manifest, len(chunks))
+    if not hit:
+        with file_lock(path.with_suffix(".lock")):
+            manifest = _verified(path)  # another process may have finished (some of) it while we waited
+            hit = _complete(manifest, len(chunks))
+            if not hit:
+                manifest = _build(
+                    target, chunks, chat, path, key, manifest, run, max_new_tokens, seq_len, backend,
+                    gen_dtype, threads, progress,
+                )  # fmt: skip
+    records = [r for index in range(len(chunks)) for r in _read_part(path, manifest["parts"][_part_name(index)])]
+    if [r["id"] for r in records] != [c.id for c in conversations]:
+        raise RuntimeError(f"regeneration cache {path}: stored conversation ids differ from the requested ones")
+    out = [Conversation(r["id"], tuple(r["messages"])) for r in records]
+    seconds = run["generation_seconds"]
+    stats = {
+        "hit": hit,
+        "backend": backend,
+        "dtype": gen_dtype,
+        "conversations": len(out),
+        "generated_tokens": run["generated_tokens"],
+        "seconds": time.time() - started,
+        "generation_seconds": seconds,
+        "tokens_per_s": run["generated_tokens"] / seconds if seconds > 0 else 0.0,
+        "chunks_generated": run["chunks_generated"],
+        "chunks_loaded": len(chunks) - run["chunks_generated"],
+        # over the whole entry, whichever runs produced it: what a hit saves
+        "total_generated_tokens": sum(p["generated_tokens"] for p in manifest["parts"].values()),
+        "total_generation_seconds": sum(p["seconds"] for p in manifest["parts"].values()),
+    }
+    cut = {r["id"]: r["cut"] for r in records if r["cut"]}
+    stats["cut_seq_len"] = sum(v == "seq_len" for v in cut.values())
+    stats["cut_empty"] = sum(v == "empty" for v in cut.values())
+    return RegenResult(out, stats, path, cut)
+
+
+def _part_name(index: int) -> str:
+    return f"part_{index:05d}.jsonl"
+
+
+def _verified(path: Path) -> dict | None:
+    """The manifest with only the parts whose files match their recorded hash (the rest are redone)."""
+    mf = path / MANIFEST
+    if not mf.is_file():
+        return None
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError:
+        return None
+    good = {}
+    for name, part in manifest.get("parts", {}).items():
+        if (path / name).is_file() and sha256_file(path / name) == part["sha256"]:
+            good[name] = part
+        else:
+            print(f"regeneration cache: {path / name} is missing or does not match its manifest hash; redoing it")
+    manifest["parts"] = good
+    return manifest
+
+
+def _complete(manifest: dict | None, num_chunks: int) -> bool:
+    return manifest is not None and all(_part_name(i) in manifest["parts"] for i in range(num_chunks))
+
+
+def _read_part(path: Path, part: dict) -> list[dict]:
+    return [json.loads(line) for line in (path / part["file"]).read_text(encoding="utf-8").splitlines() if line]
+
+
+def _build(
+    target, chunks, chat, path, key, manifest, run, max_new_tokens, seq_len, backend, dtype, threads, progress
+) -> dict:
+    path.mkdir(parents=True, exist_ok=True)
+    manifest = manifest or {
+        "key": key,
+        "format": FORMAT,
+        "target": target.fingerprint,
+        "backend": backend,
+        "dtype": dtype,
+        "max_new_tokens": max_new_tokens,
+        "seq_len": seq_len,
+        "num_conversations": sum(len(c) for c in chunks),
+        "num_chunks": len(chunks),
+        "parts": {},
+    }
+    todo = [i for i in range(len(chunks)) if _part_name(i) not in manifest["parts"]]
+    if not todo:  # nothing to generate (no conversations): no reason to start an engine
+        _write_manifest(path, manifest)
+        return manifest
+    turns = sum(c.assistant_turns for i in todo for c in chunks[i])
+    with (
+        tqdm(total=turns, desc="regenerate", unit="turn", disable=not progress) as bar,
+        open_generator(
+            target, backend, threads=threads, progress=progress, dtype=dtype, log_path=path.with_suffix(".log")
+        ) as generate,
+    ):
+        for index in todo:
+            started = time.perf_counter()
+            records = _regenerate_chunk(generate, chat, target.tokenizer, chunks[index], max_new_tokens, seq_len, bar)
+            seconds = time.perf_counter() - started
+            name = _part_name(index)
+            with atomic_file(path / name) as tmp:
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+            tokens = sum(r["generated_tokens"] for r in records)
+            manifest["parts"][name] = {
+                "file": name,
+                "sha256": sha256_file(path / name),
+                "conversations": len(records),
+                "generated_tokens": tokens,
+                "seconds": seconds,
+            }
+            _write_manifest(path, manifest)
+            run["generated_tokens"] += tokens
+            run["generation_seconds"] += seconds
+            run["chunks_generated"] += 1
+            bar.set_postfix(tok_s=f"{run['generated_tokens'] / max(run['generation_seconds'], 1e-9):.0f}")
+    return manifest
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    with atomic_file(path / MANIFEST) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1))
+
+
+def _regenerate_chunk(
+    generate: Generate,
+    chat: Any,
+    tokenizer: Any,
+    conversations: list[Conversation],
+    max_new_tokens: int,
+    seq_len: int,
+    bar: Any = None,
+) -> list[dict]:
+    """One part's records ({id, messages, generated_tokens, cut}), wave by wave over the turn index."""
+    states = [
+        {
+            "id": c.id,
+            "messages": c.as_list(),
+            "turns": [i for i, m in enumerate(c.messages) if m["role"] == "assistant"],
+            "keep": len(c.messages),  # messages kept: all, unless the conversation is cut
+            "generated_tokens": 0,
+            "cut": None,
+        }
+        for c in conversations
+    ]
+    wave = 0
+    while True:
+        batch, prompts, limits = [], [], []
+        for s in states:
+            if s["cut"] or wave >= len(s["turns"]):
+                continue
+            i = s["turns"][wave]
+            prompt = chat.prompt(s["messages"][:i])
+            if len(prompt) >= seq_len:
+                _cut(s, wave, "seq_len", bar)
+                if wave == 0:
+                    s["messages"][i]["content"] = ""
+                continue
+            batch.append(s)
+            prompts.append(prompt)
+            limits.append(min(max_new_tokens, seq_len - len(prompt)))
+        if not batch:
+            break
+        outs = generate(prompts, limits)
+        for s, ids in zip(batch, outs, strict=True):
+            text = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            s["messages"][s["turns"][wave]]["content"] = text
+            s["generated_tokens"] += len(ids)
+            if bar is not None:
+                bar.update(1)
+            if not text:
+                _cut(s, wave + 1, "empty", bar)
+        wave += 1
+    return [
+        {
+            "id": s["id"],
+            "messages": s["messages"][: s["keep"]],
+            "generated_tokens": s["generated_tokens"],
+            "cut": s["cut"],
+        }
+        for s in states
+    ]
+
+
+def _cut(state: dict, keep_turns: int, why: str, bar: Any) -> None:
+    """End the conversation after its first `keep_turns` assistant turns (at least the first, kept even empty)."""
+    turns = state["turns"]
+    state["keep"] = turns[max(keep_turns, 1) - 1] + 1
+    if keep_turns < len(turns):
+        state["cut"] = why
+        if bar is not None:  # the turns that will never be generated
+            bar.total -= len(turns) - keep_turns
+            bar.refresh()

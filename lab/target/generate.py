@@ -1,0 +1,297 @@
+"""Greedy generation with the target, batched: the answers that regeneration (lab/data/regenerate.py) puts in
+place of a dataset's own, so that a drafter learns what its target actually says.
+
+Two backends behind one callable, `generate(prompts, max_new_tokens) -> continuations`:
+
+- `hf`: the already-loaded transformers model. Prompts are sorted by length and left-padded into batches of
+  `HF_BATCH`, then decoded by a hand-written KV-cache greedy loop that drops finished rows from the batch
+  (and the cache): on a CPU the cost of a step grows with the rows in it, and answers end at very different
+  lengths. It is deterministic (argmax, fixed shapes for the same inputs).
+- `vllm`: ONE worker process (`python -m lab.target.vllm_generate`) for the life of the context, so the
+  engine starts once (tens of seconds) however many batches follow. This module never imports vllm: only
+  worker modules, each in its own process, do (the project's rule; vLLM's CPU engine binds threads and
+  keeps global state for the life of a process).
+
+Every continuation stops at, and excludes, the tokenizer's eos id, or after `max_new_tokens` (fewer where the
+prompt would otherwise run past the model's context). Outputs are in the order of the prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+BACKENDS = ("auto", "hf", "vllm")
+HF_BATCH = 16
+VLLM_MAX_NUM_SEQS = 64
+VLLM_KV_CACHE_GIB = 2
+WORKER_EXIT_S = 60  # how long a closed worker may take to exit before it is killed
+
+# generate(prompts, max_new_tokens): one limit for all prompts, or one per prompt
+Generate = Callable[[list[list[int]], int | list[int]], list[list[int]]]
+
+
+def resolve_backend(name: str) -> str:
+    """`hf` or `vllm`: `auto` is vllm where it is installed, else hf."""
+    name = getattr(name, "value", name)  # a config enum (lab.config.Generator) as well as a string
+    if name not in BACKENDS:
+        raise ValueError(f"unknown generation backend '{name}' (expected one of {', '.join(BACKENDS)})")
+    if name == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    return name
+
+
+def resolve_dtype(dtype: str) -> str:
+    """vLLM's dtype: `auto` is bfloat16 on a GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else
+    float32. Measured on a 2-core AVX2 machine (benchmarks/regenerate_speed.py, SmolLM2-135M): vLLM ran about
+    five times faster in float32 than in bfloat16, which such a CPU only emulates."""
+    if dtype != "auto":
+        return dtype
+    if torch.cuda.is_available():
+        return "bfloat16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "bfloat16"
+    return "bfloat16" if "avx512_bf16" in flags or "amx_bf16" in flags else "float32"
+
+
+@contextlib.contextmanager
+def open_generator(
+    target: Any,
+    backend: str = "auto",
+    threads: int | None = None,
+    progress: bool = True,
+    dtype: str = "auto",
+    log_path: str | Path | None = None,
+    kv_cache_gib: float = VLLM_KV_CACHE_GIB,
+) -> Iterator[Generate]:
+    """A greedy `generate(prompts, max_new_tokens)` over `target` (lab.target.Target) for the body of the
+    context; `max_new_tokens` is one limit for every prompt or a list of one per prompt. `dtype` and
+    `kv_cache_gib` are vLLM's (hf uses the loaded model as it is; `dtype="auto"`: see resolve_dtype);
+    `progress` shows a bar over each call's prompts (hf only: vLLM's would go to its log). The vLLM worker's
+    output goes to `log_path`
+    (default: a temp file, removed after a clean run), which a RuntimeError from a failed worker names."""
+    backend = resolve_backend(backend)
+    eos = target.tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the target's tokenizer has no eos token: greedy answers would never stop")
+    max_positions = int(target.model.config.max_position_embeddings)
+
+    def wrap(run: Callable[[list[list[int]], list[int]], list[list[int]]]) -> Generate:
+        def generate(prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+            wanted = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+            # a prompt with no room left in the context (or an empty one) gets an empty answer, unrun
+            limits = [max(0, min(n, max_positions - len(p))) for p, n in zip(prompts, wanted, strict=True)]
+            todo = [i for i, n in enumerate(limits) if n > 0 and len(prompts[i]) > 0]
+            outs: list[list[int]] = [[] for _ in prompts]
+            if todo:
+                done = run([list(prompts[i]) for i in todo], [limits[i] for i in todo])
+                for i, out in zip(todo, done, strict=True):
+                    outs[i] = _until_eos(out, eos)[: limits[i]]
+            return outs
+
+        return generate
+
+    if backend == "hf":
+        previous = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        try:
+            yield wrap(lambda prompts, limits: _hf_generate(target.model, prompts, limits, eos, progress))
+        finally:
+            torch.set_num_threads(previous)
+        return
+
+    job = {
+        "target": str(target.path),
+        "dtype": resolve_dtype(dtype),
+        "max_model_len": max_positions,
+        "max_num_seqs": VLLM_MAX_NUM_SEQS,
+        "kv_cache_gib": kv_cache_gib,
+        "threads": threads,
+        "eos": eos,
+        "seed": 0,
+    }
+    with _VllmWorker(job, log_path) as worker:
+        yield wrap(worker.generate)
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos)] if eos in ids else ids
+
+
+# ---------------------------------------------------------------- hf
+
+
+def _hf_generate(model: Any, prompts: list[list[int]], limits: list[int], eos: int, progress: bool) -> list[list[int]]:
+    """Batches of similar length (less padding), longest first, so a memory or length problem shows at once."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    outs: list[list[int]] = [[] for _ in prompts]
+    with tqdm(total=len(prompts), desc="greedy (hf)", unit="prompt", leave=False, disable=not progress) as bar:
+        for start in range(0, len(order), HF_BATCH):
+            rows = order[start : start + HF_BATCH]
+            done = greedy_batch(model, [prompts[i] for i in rows], [limits[i] for i in rows], eos)
+            for i, out in zip(rows, done, strict=True):
+                outs[i] = out
+            bar.update(len(rows))
+    return outs
+
+
+@torch.inference_mode()
+def greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: int) -> list[list[int]]:
+    """Greedy continuations of left-padded `prompts` (row i stops at eos, excluded, or after limits[i] tokens),
+    one forward per step over the rows still running."""
+    from transformers import DynamicCache
+
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((n, width), dtype=torch.long)  # the pad id never matters: masked out
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    outs: list[list[int]] = [[] for _ in prompts]
+    alive = list(range(n))  # the original row of each row still in the batch
+    step_ids = ids
+    while alive:
+        logits = model(
+            input_ids=step_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # the prompt's full-vocabulary logits are never needed
+        ).logits[:, -1]
+        tokens = logits.argmax(-1).tolist()
+        keep = []
+        for j, row in enumerate(alive):
+            if tokens[j] == eos:
+                continue
+            outs[row].append(tokens[j])
+            if len(outs[row]) < limits[row]:
+                keep.append(j)
+        if len(keep) < len(alive):
+            if not keep:
+                break
+            index = torch.tensor(keep)
+            cache.batch_select_indices(index)
+            mask = mask[index]
+            alive = [alive[j] for j in keep]
+            tokens = [tokens[j] for j in keep]
+        positions = mask.sum(-1, keepdim=True)  # the new token's position: the real tokens before it
+        mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long)], dim=1)
+        step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+    return outs
+
+
+# ---------------------------------------------------------------- vllm
+
+
+class _VllmWorker:
+    """The worker process: JSON lines in on its stdin, JSON lines out on its stdout (the worker points every
+    other write to stdout at its stderr, which goes to the log)."""
+
+    def __init__(self, job: dict, log_path: str | Path | None):
+        self.job = job
+        self.own_log = log_path is None
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="lab-vllm-generate-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self.failed = False
+
+    def __enter__(self) -> _VllmWorker:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "w")
+        cmd = [sys.executable, "-m", "lab.target.vllm_generate", json.dumps(self.job)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=_worker_env(self.job)
+        )
+        try:
+            ready = self._read()
+            if not ready.get("ready"):
+                self._fail(f"vLLM generation worker did not start: {ready.get('error', ready)}")
+        except BaseException as exc:
+            self.__exit__(type(exc), exc, exc.__traceback__)  # `with` calls no __exit__ when __enter__ fails
+            raise
+        return self
+
+    def generate(self, prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
+        self._send({"prompts": prompts, "max_tokens": limits})
+        reply = self._read()
+        if "outputs" not in reply:
+            self._fail(f"vLLM generation failed: {reply.get('error', reply)}")
+        return reply["outputs"]
+
+    def _send(self, message: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(message) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.proc.wait()
+            self._fail(f"vLLM generation worker exited with {self.proc.returncode}: {_last_error(self.log_path)}")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            self._fail(f"vLLM generation worker exited with {self.proc.returncode}: {_last_error(self.log_path)}")
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            self._fail(f"vLLM generation worker wrote something unexpected: {line[:200]!r}")
+
+    def _fail(self, message: str) -> None:
+        self.failed = True
+        raise RuntimeError(f"{message} (log: {self.log_path})")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self.proc.poll() is None:
+                if exc_type is not None:
+                    self.proc.kill()  # the caller gave up: the batch under way is wanted no more
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    self.proc.stdin.close()  # the worker's signal to exit
+                try:
+                    self.proc.wait(timeout=WORKER_EXIT_S)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        finally:
+            self.proc.stdout.close()
+            self.log.close()
+        if self.own_log and not self.failed and exc_type is None:
+            self.log_path.unlink(missing_ok=True)
+
+
+def _worker_env(job: dict) -> dict[str, str]:
+    """The environment the worker starts in. OpenMP reads its thread count once, when the library loads,
+    and the worker imports torch (through `lab`) before it could set anything itself: one thread too many
+    on a busy machine makes every step spin-wait, ten times slower or worse."""
+    from lab.target.vllm_generate import engine_environment
+
+    # the worker must import this checkout's `lab`, wherever the caller runs from
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    return engine_environment(job, env)
+
+
+def _last_error(log_path: Path) -> str:
+    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:300]

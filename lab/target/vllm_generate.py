@@ -1,0 +1,114 @@
+"""The vLLM side of `lab.target.generate`'s vllm backend: `python -m lab.target.vllm_generate JOB_JSON`.
+
+A persistent worker: it builds ONE `LLM` over the target folder (engine in this process,
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `uni` executor, eager mode, no tokenizer: token ids in and out), says
+`{"ready": true}`, then answers one JSON line per request line on stdin until stdin closes:
+`{"prompts": [[ids]], "max_tokens": [n per prompt]}` -> `{"outputs": [[ids]], "seconds": s}` (greedy,
+stopping at the job's eos id), or `{"error": "..."}`. The protocol has the process's stdout to itself:
+file descriptor 1 is pointed at stderr (the parent's log) before vllm is imported, so nothing vLLM or its
+C++ kernels print can interleave with a reply. Only this module, in its own process, imports vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, TextIO
+
+
+def engine_environment(job: dict, env: dict[str, str]) -> dict[str, str]:
+    """`env` with what vLLM reads at import: a small CPU KV cache, the engine in this process, the asked-for
+    threads (the parent starts the worker in it: OpenMP reads its thread count when torch loads, before
+    this module runs)."""
+    env = dict(env)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job["kv_cache_gib"]))
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if job.get("threads"):
+        env["OMP_NUM_THREADS"] = str(job["threads"])  # asked for explicitly: wins over the caller's env
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def protocol_channel() -> TextIO:
+    """The real stdout for replies; fd 1 itself now writes to stderr."""
+    sys.stdout.flush()
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def reply(channel: TextIO, message: dict) -> None:
+    channel.write(json.dumps(message) + "\n")
+    channel.flush()
+
+
+def build(job: dict) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=job["target"],
+        dtype=job["dtype"],
+        enforce_eager=True,
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        seed=job["seed"],
+        distributed_executor_backend="uni",
+        skip_tokenizer_init=True,
+        load_format="safetensors",  # never a pickled .bin/.pt
+    )
+
+
+def generate(llm: Any, job: dict, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    # the eos is named explicitly: without a tokenizer, vLLM would only know the model config's
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[job["eos"]], detokenize=False) for n in max_tokens
+    ]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m lab.target.vllm_generate JOB_JSON", file=sys.stderr)
+        return 2
+    job = json.loads(argv[0])
+    channel = protocol_channel()
+    os.environ.update(engine_environment(job, dict(os.environ)))  # started by hand: vLLM's own settings at least
+    try:
+        start = time.perf_counter()
+        llm = build(job)
+        import vllm
+
+        print(f"engine up in {time.perf_counter() - start:.1f}s (vllm {vllm.__version__})", file=sys.stderr)
+    except Exception as exc:
+        reply(channel, {"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    reply(channel, {"ready": True, "startup_s": time.perf_counter() - start, "vllm_version": vllm.__version__})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            request = json.loads(line)
+            start = time.perf_counter()
+            outputs = generate(llm, job, request["prompts"], request["max_tokens"])
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o) for o in outputs)
+            print(f"{len(outputs)} prompts, {tokens} tokens in {seconds:.1f}s", file=sys.stderr, flush=True)
+            reply(channel, {"outputs": outputs, "seconds": seconds})
+        except Exception as exc:
+            traceback.print_exc()  # into the log, which the parent's error names
+            reply(channel, {"error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,211 @@
+"""Regeneration (lab/data/regenerate.py) on the micro target: answers equal the target's own unbatched greedy
+decoding, runs are deterministic, a complete cache entry is a hit that never runs the target, an interrupted
+run resumes from its finished chunks, later turns follow the target's earlier answers, and conversations
+stop where the training sequence would."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from lab.data import regenerate as regen
+from lab.data.conversations import Conversation
+from lab.target.chat_template import HandChat
+
+MAX_NEW = 8
+SEQ_LEN = 512
+
+
+def conv(cid: str, *pairs: tuple[str, str], system: str | None = None) -> Conversation:
+    messages = [{"role": "system", "content": system}] if system else []
+    for user, assistant in pairs:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    return Conversation(cid, tuple(messages))
+
+
+CONVERSATIONS = [
+    conv("a", ("Write a function that adds two numbers.", "def add(a, b): return a + b")),
+    conv(
+        "b",
+        ("Write a class for a stack.", "class Stack: pass"),
+        ("Now add a push method.", "def push(self, x): self.items.append(x)"),
+        system="You are a helpful assistant.",
+    ),
+    conv(
+        "c",
+        ("import os", "import sys"),
+        ("def main():", "    pass"),
+        ("Finish the module.", "if __name__ == '__main__':"),
+    ),
+    conv("d", ("Continue this Python code.\nfor i in range(10):", "    print(i)")),
+    conv("e", ("Keep going:\nclass Node:\n    def __init__(self):", "        self.next = None")),
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; on a busy machine, two OpenMP threads spin-wait on each other."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture()
+def chat(micro_target):
+    return HandChat(micro_target.tokenizer, "chatml")  # the micro tokenizer has no chat template of its own
+
+
+def run(target, chat, cache_dir, conversations=CONVERSATIONS, **kw):
+    kw = {"max_new_tokens": MAX_NEW, "seq_len": SEQ_LEN, "backend": "hf", "progress": False, "threads": 1, **kw}
+    return regen.regenerate(target, conversations, chat, cache_dir=cache_dir, **kw)
+
+
+def plain_greedy(model, prompt: list[int], max_new: int, eos: int) -> list[int]:
+    """One sequence, no cache, no padding: the reference the batched backends must reproduce."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token == eos:
+                break
+            out.append(token)
+            ids.append(token)
+    return out
+
+
+def test_answers_are_the_targets_own_greedy_decoding(micro_target, chat, tmp_path):
+    result = run(micro_target, chat, tmp_path, chunk_size=2)
+    tok = micro_target.tokenizer
+    assert [c.id for c in result.conversations] == [c.id for c in CONVERSATIONS]
+    assert result.stats["hit"] is False and result.stats["backend"] == "hf" and result.stats["generated_tokens"] > 0
+    assert max(c.assistant_turns for c in result.conversations) >= 2
+    for original, new in zip(CONVERSATIONS, result.conversations, strict=True):
+        # the same turns, or a start of them that ends on an assistant turn (an empty answer ends it)
+        assert [m["role"] for m in new.messages] == [m["role"] for m in original.messages[: len(new.messages)]]
+        assert new.messages[-1]["role"] == "assistant"
+        if len(new.messages) < len(original.messages):
+            assert result.cut[new.id] == "empty" and new.messages[-1]["content"] == ""
+        for i, m in enumerate(new.messages):
+            if m["role"] != "assistant":
+                assert m == original.messages[i]
+                continue
+            prompt = chat.prompt(list(new.messages[:i]))  # with the target's own earlier answers
+            ref = plain_greedy(micro_target.model, prompt, min(MAX_NEW, SEQ_LEN - len(prompt)), tok.eos_token_id)
+            assert m["content"] == tok.decode(ref, skip_special_tokens=True).strip(), (new.id, i)
+            assert m["content"] != original.messages[i]["content"]
+
+
+def test_deterministic(micro_target, chat, tmp_path):
+    first = run(micro_target, chat, tmp_path / "one")
+    second = run(micro_target, chat, tmp_path / "two")
+    assert first.conversations == second.conversations
+    assert first.path.name == second.path.name  # the same key: nothing about a run leaks into it
+
+
+def test_second_call_is_a_cache_hit(micro_target, chat, tmp_path, monkeypatch):
+    first = run(micro_target, chat, tmp_path)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the target ran on a cache hit")
+
+    monkeypatch.setattr(micro_target.model, "forward", forbidden)
+    second = run(micro_target, chat, tmp_path)
+    assert second.stats["hit"] is True and second.stats["generated_tokens"] == 0
+    assert second.stats["total_generated_tokens"] == first.stats["generated_tokens"]
+    assert second.conversations == first.conversations
+    # anything in the key is a different entry (here: the answer length), which would have to run the target
+    with pytest.raises(AssertionError, match="the target ran"):
+        run(micro_target, chat, tmp_path, max_new_tokens=MAX_NEW + 1)
+
+
+def test_interrupted_run_resumes_from_finished_chunks(micro_target, chat, tmp_path, monkeypatch):
+    whole = run(micro_target, chat, tmp_path / "whole", chunk_size=2)  # 5 conversations: 3 chunks
+    real = regen._regenerate_chunk
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[3][0].id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regen, "_regenerate_chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(micro_target, chat, tmp_path / "resumed", chunk_size=2)
+    assert calls == ["a", "c"]
+
+    monkeypatch.setattr(regen, "_regenerate_chunk", lambda *a, **k: (calls.append(a[3][0].id), real(*a, **k))[1])
+    resumed = run(micro_target, chat, tmp_path / "resumed", chunk_size=2)
+    assert calls[2:] == ["c", "e"]  # the first chunk came from the cache
+    assert resumed.stats["chunks_generated"] == 2 and resumed.stats["chunks_loaded"] == 1
+    assert resumed.conversations == whole.conversations
+
+
+def test_later_turns_follow_the_targets_earlier_answers(micro_target, chat, tmp_path, monkeypatch):
+    prompts = []
+    real = regen.open_generator
+
+    def recording(*args, **kwargs):
+        cm = real(*args, **kwargs)
+
+        class Recorder:
+            def __enter__(self):
+                generate = cm.__enter__()
+                return lambda ps, n: (prompts.append(list(ps)), generate(ps, n))[1]
+
+            def __exit__(self, *exc):
+                return cm.__exit__(*exc)
+
+        return Recorder()
+
+    monkeypatch.setattr(regen, "open_generator", recording)
+    result = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[1:2])
+    assert len(prompts) == 2  # two waves: the first assistant turn, then the second
+    answer = result.conversations[0].messages[2]["content"]
+    assert answer
+    turn2 = micro_target.tokenizer.decode(prompts[1][0])
+    assert answer in turn2 and CONVERSATIONS[1].messages[2]["content"] not in turn2
+    assert prompts[1][0] == chat.prompt(list(result.conversations[0].messages[:4]))
+
+
+def test_conversations_stop_where_the_sequence_would(micro_target, chat, tmp_path):
+    long_user = conv("long", ("x = 1\n" * 400, "pass"), ("more", "pass"))
+    first_prompt = len(chat.prompt(list(CONVERSATIONS[2].messages[:1])))
+    seq_len = first_prompt + 4  # room for 4 answer tokens in turn 1; turn 2's prompt is past it
+    result = run(micro_target, chat, tmp_path, conversations=[CONVERSATIONS[2], long_user], seq_len=seq_len)
+    short, long = result.conversations
+    assert [m["role"] for m in short.messages] == ["user", "assistant"]
+    assert len(micro_target.tokenizer(short.messages[1]["content"])["input_ids"]) <= 4 + 1
+    assert [m["role"] for m in long.messages] == ["user", "assistant"] and long.messages[1]["content"] == ""
+    assert result.cut == {"c": "seq_len", "long": "seq_len"}
+    assert result.stats["generated_tokens"] <= 4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_backend(micro_target, chat, tmp_path):
+    first = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[:4], backend="vllm", dtype="float32")
+    assert first.stats["backend"] == "vllm" and not first.stats["hit"]
+    # the micro target answers its first turns; later ones it may end at once (an empty answer, kept as "")
+    assert all(next(m["content"] for m in c.messages if m["role"] == "assistant") for c in first.conversations)
+    assert [c.id for c in first.conversations] == [c.id for c in CONVERSATIONS[:4]]
+    # in float32, vLLM's greedy answers are the transformers model's
+    assert first.conversations == run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[:4]).conversations
+    second = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[:4], backend="vllm", dtype="float32")
+    assert second.stats["hit"] and second.conversations == first.conversations
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_worker_failure_names_its_log(micro_target, tmp_path):
+    from dataclasses import replace
+
+    from lab.target.generate import open_generator
+
+    broken = replace(micro_target, path=tmp_path / "no-such-model")
+    with pytest.raises(RuntimeError, match="log: .*worker.log"):
+        with open_generator(broken, "vllm", progress=False, log_path=tmp_path / "worker.log") as generate:
+            generate([[1, 2, 3]], 4)
