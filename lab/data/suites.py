@@ -18,9 +18,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lab.config import ConfigError, SuiteKind
+from lab.config import ConfigError, DataSource, SuiteKind
+from lab.data.chat_suites import ChatSuiteInputs, build_chat_prompts
 from lab.data.text import corpus_files
 from lab.target import chat
+from lab.target.chat_template import HandChat, TokenizerChat
 
 SUITE_SEED = 4321
 
@@ -98,28 +100,36 @@ def _code_budget(renderer, template: str, system: str | None, total: int, key: s
     return total - overhead
 
 
-def build_suite(name: str, tokenizer, cfg: DictConfig) -> Suite:
-    """The prompts of suite `name` (`cfg.suites[name]`)."""
+def build_suite(name: str, tokenizer, cfg: DictConfig, chat_inputs: ChatSuiteInputs | None = None) -> Suite:
+    """The prompts of suite `name` (`cfg.suites[name]`): from held-out code for data.source=code, from
+    held-out conversations and the benchmarks otherwise (`chat_inputs`, lab/data/chat_suites.py)."""
     spec = cfg.suites[name]
     renderer = chat.Renderer(tokenizer)
     template, system = cfg.data.template, cfg.data.system_prompt
     n = spec.num_prompts or cfg.eval.num_prompts
     prompts: list[tuple[str, list[int]]] = []
-    if spec.kind == SuiteKind.long_context:
+    if spec.kind == SuiteKind.jsonl:
+        fmt = chat_inputs.chat if chat_inputs and (spec.template or template) == template else None
+        prompts = read_jsonl(Path(spec.path), renderer, spec.template or template, f"suites.{name}.path", fmt)
+    elif cfg.data.source != DataSource.code:
+        if chat_inputs is None:
+            raise ValueError("suites of conversations need the held-out conversations (chat_inputs)")
+        prompts = [(v, ids) for v, ids, _ in build_chat_prompts(name, spec, cfg, tokenizer, chat_inputs)]
+    elif spec.kind in (SuiteKind.mtbench, SuiteKind.humaneval):
+        raise ConfigError(f"suites.{name}.kind", f"{spec.kind.value} needs a chat target and data (e.g. data=sharegpt)")
+    elif spec.kind == SuiteKind.long_context:
         for multiple in spec.context_multiples:
             total = multiple * cfg.data.seq_len
             budget = _code_budget(renderer, template, system, total, f"suites.{name}.context_multiples")
             for ex in excerpts(renderer, cfg.data.corpus_bytes, n, budget, SUITE_SEED + multiple):
                 prompts.append((f"L{total}", _render(renderer, template, system, ex)))
-    elif spec.kind == SuiteKind.jsonl:
-        prompts = read_jsonl(Path(spec.path), renderer, spec.template or template, f"suites.{name}.path")
     else:
         budget = _code_budget(renderer, template, system, cfg.eval.prompt_len, "eval.prompt_len")
         items = excerpts(renderer, cfg.data.corpus_bytes, n, budget, SUITE_SEED)
         if spec.kind == SuiteKind.in_dist:
             prompts = [(template, _render(renderer, template, system, ex)) for ex in items]
         elif spec.kind == SuiteKind.template:
-            unseen = spec.templates or [t for t in chat.TEMPLATES if t != template]
+            unseen = spec.templates or [t for t in chat.CORPUS_TEMPLATES if t != template]
             prompts = [(t, _render(renderer, t, system, ex)) for t in unseen for ex in items]
         elif spec.kind == SuiteKind.system_prompt:
             pool = spec.system_prompts or [p for p in EVAL_SYSTEM_PROMPTS if p != system]
@@ -133,9 +143,12 @@ def build_suite(name: str, tokenizer, cfg: DictConfig) -> Suite:
     )
 
 
-def read_jsonl(path: Path, renderer: chat.Renderer, template: str, key: str) -> list[tuple[str, list[int]]]:
+def read_jsonl(
+    path: Path, renderer: chat.Renderer, template: str, key: str, fmt: TokenizerChat | HandChat | None = None
+) -> list[tuple[str, list[int]]]:
     """(category, prompt ids) per line: {"prompt": text} is used as is (after BOS); {"messages": [...]}
-    is rendered in `template`, ending where the assistant answers (a final assistant turn is dropped)."""
+    is rendered in `template` (by `fmt` where given: the training data's format), ending where the
+    assistant answers (a final assistant turn is dropped)."""
     out = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -156,8 +169,11 @@ def read_jsonl(path: Path, renderer: chat.Renderer, template: str, key: str) -> 
             roles = {m.get("role") for m in messages}
             if not messages or not roles <= {"system", "user", "assistant"}:
                 raise ConfigError(key, f"{where}: messages need roles system/user/assistant, got {sorted(roles)}")
-            turns = [(m["role"], str(m.get("content", "")), []) for m in messages]
-            ids = renderer.render_turns(chat.TEMPLATES[template], turns)[0]
+            if fmt is not None:
+                ids = fmt.prompt([{"role": m["role"], "content": str(m.get("content", ""))} for m in messages])
+            else:
+                turns = [(m["role"], str(m.get("content", "")), []) for m in messages]
+                ids = renderer.render_turns(chat.TEMPLATES[template], turns)[0]
         out.append((str(row.get("category", "all")), ids))
     if not out:
         raise ConfigError(key, f"{path} holds no prompts")

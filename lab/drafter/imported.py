@@ -85,6 +85,8 @@ def resolve_for(cfg: DictConfig) -> CheckpointInfo:
     vocab = None
     if cfg.target.kind == TargetKind.hf:
         vocab = json.loads((Path(cfg.target.path) / "config.json").read_text()).get("vocab_size")
+    elif cfg.target.kind == TargetKind.gguf:
+        vocab = cfg.target.vocab_size  # declared; checked against the GGUF once converted
     return resolve(cfg.drafter.checkpoint, shape["num_layers"], shape["hidden_size"], vocab, cfg.drafter.aux_layers)
 
 

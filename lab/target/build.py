@@ -77,7 +77,7 @@ def corpus_documents(tcfg: DictConfig, files: list[corpus.CorpusFile], heldout: 
     return chat.chat_documents(
         [(f.relpath, f.read()) for f in files if f.heldout == heldout],
         seed=tcfg.seed + (1 if heldout else 0),
-        templates=list(chat.TEMPLATES),
+        templates=list(chat.CORPUS_TEMPLATES),
         system_prompts=chat.SYSTEM_PROMPTS,
         system_share=tcfg.system_share,
         min_chars=tcfg.chunk_chars[0],

@@ -70,8 +70,12 @@ TEMPLATES: dict[str, ChatTemplate] = {
         ChatTemplate(
             "vicuna", user="USER: {content}\n", assistant="ASSISTANT: {content}</s>\n", system="{content}\n\n"
         ),
+        ChatTemplate("user_assistant", user="User: {content}\n", assistant="Assistant: {content}\n", system=None),
     )
 }
+# The templates of the tiny targets' corpus (lab/target/build.py): a built target knows all of these and no
+# other, so its cache key stays valid when a template is added above.
+CORPUS_TEMPLATES = ("chatml", "llama3", "plain", "markdown", "gemma", "mistral", "phi3", "vicuna")
 
 # The target sees all of these; the drafter's data uses none by default, so every one is unseen by it.
 SYSTEM_PROMPTS = [
@@ -112,9 +116,9 @@ class Conversation:
 class Renderer:
     """Renders conversations to (token ids, assistant mask) with one tokenizer, segment by segment."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, bos: bool = True):
         self.tokenizer = tokenizer
-        self.bos = tokenizer.bos_token_id
+        self.bos = tokenizer.bos_token_id if bos else None
         self.eos = tokenizer.eos_token_id
         self._encode = lru_cache(maxsize=4096)(self._encode_uncached)
 

@@ -46,6 +46,7 @@ def gguf_file(tcfg: DictConfig, cache_dir: str | Path) -> Path:
 def convert(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Path:
     """The cached folder `{cache_dir}/targets/{name}-{sha12}` (its model in `model/`), converted on first use."""
     source = gguf_file(tcfg, cache_dir)
+    _check_readable(source)  # a broken file fails here, before a cache folder or lock exists
     digest = sha256_file(source)
     final = Path(cache_dir) / "targets" / f"{tcfg.name}-{digest[:12]}"
     if not (final / BUILD_INFO).is_file():
@@ -54,6 +55,16 @@ def convert(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> P
                 _convert(source, digest, final, progress)
     check_shape(tcfg, json.loads((final / "model" / "config.json").read_text()))
     return final
+
+
+def _check_readable(source: Path) -> None:
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(source)
+    except Exception as exc:  # gguf's reader raises bare ValueErrors, KeyErrors, struct errors on a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError("target.path", f"'{source}' is not a readable GGUF model ({first})") from None
 
 
 def _convert(source: Path, digest: str, final: Path, progress: bool) -> None:
@@ -66,9 +77,9 @@ def _convert(source: Path, digest: str, final: Path, progress: bool) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    except Exception as exc:  # gguf's reader raises bare ValueErrors, KeyErrors, struct errors on a bad file
+    except Exception as exc:  # a readable GGUF of an architecture or tokenizer transformers does not know
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError("target.path", f"'{source}' is not a readable GGUF model ({first})") from None
+        raise ConfigError("target.path", f"'{source}' cannot be converted by transformers ({first})") from None
     if not tokenizer.chat_template:
         raise ConfigError("target.path", f"'{source}' carries no chat template (tokenizer.chat_template)")
     model.hf_quantizer = None  # de-quantized on load; save_pretrained refuses while the GGUF config is there

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from lab.config import ConfigError, TargetKind
 from lab.fsutil import short_hash
 from lab.target import build as target_build
+from lab.target import gguf
 
 
 @dataclass
@@ -54,7 +55,8 @@ def _hf_fingerprint(path: Path) -> str:
 
 
 def load(cfg: DictConfig, progress: bool = True) -> Target:
-    """The target of `cfg.target`, float32, eval mode; builds the tiny target on first use."""
+    """The target of `cfg.target`, float32, eval mode; builds the tiny target, or converts a GGUF one, on
+    first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -64,6 +66,10 @@ def load(cfg: DictConfig, progress: bool = True) -> Target:
     if t.kind == TargetKind.build:
         root = target_build.build(t, cfg.cache_dir, progress=progress)
         path, info = root / "model", json.loads((root / target_build.BUILD_INFO).read_text())
+        fingerprint = root.name
+    elif t.kind == TargetKind.gguf:
+        root = gguf.convert(t, cfg.cache_dir, progress=progress)
+        path, info = root / "model", json.loads((root / gguf.BUILD_INFO).read_text())
         fingerprint = root.name
     else:
         path = Path(t.path)

@@ -124,6 +124,11 @@ def target_model_config(cfg: DictConfig) -> tuple[Any, str | None]:
 
     if cfg.target.kind == TargetKind.hf:
         return AutoConfig.from_pretrained(cfg.target.path), os.path.abspath(cfg.target.path)
+    if cfg.target.kind == TargetKind.gguf:
+        from lab.target.gguf import convert
+
+        path = convert(cfg.target, cfg.cache_dir) / "model"
+        return AutoConfig.from_pretrained(path), os.path.abspath(path)
     path = built_target(cfg)
     if path is not None:
         return AutoConfig.from_pretrained(path), os.path.abspath(path)
