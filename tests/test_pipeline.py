@@ -83,7 +83,6 @@ def test_lab_run_smollm2_smoke(workdir):
     store = workdir / "mlruns-smollm2"
     overrides = [
         "profile=smoke",
-        "data.generator=hf",
         "drafter=eagle31",
         "study=smollm2-smoke",
         f"cache_dir={workdir / 'cache'}",
@@ -110,4 +109,4 @@ def test_lab_run_smollm2_smoke(workdir):
         assert f"drift/{suite}/k3/sink_mass" in metrics, suite
     for variant in ["llama3", "gemma", "mistral", "user_assistant"]:
         assert f"eval/template.{variant}/ref/k3/al" in metrics, variant
-    assert metrics["data/train_sequences"] == 24 and metrics["data/regen_generated_tokens"] > 0
+    assert metrics["data/train_sequences"] == 16 and metrics["data/regen_generated_tokens"] > 0
