@@ -88,6 +88,17 @@ def atomic_file(path: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def read_manifest(folder: Path, name: str = "manifest.json") -> dict | None:
+    """A cache entry's JSON manifest, or None where it is missing or unreadable (the entry is then rebuilt)."""
+    path = folder / name
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
 def mismatched_file(folder: Path, hashes: dict[str, str]) -> str | None:
     """The first of `hashes` (file name -> sha256) that is missing in `folder` or differs, else None."""
     for name, digest in hashes.items():

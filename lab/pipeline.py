@@ -171,6 +171,7 @@ def run(
             if "ref" not in e.backends:
                 continue
             stage(f"eval {suite.name}")
+            suite_started = time.time()
             suite_metrics = evaluate_suite(
                 target.model,
                 drafter,
@@ -182,6 +183,7 @@ def run(
                 temperature=e.temperature,
                 seed=cfg.seed,
             )
+            seconds[f"eval_{suite.name}"] = time.time() - suite_started  # every k of the suite, and its baseline
             mlrun.log_curves(suite_metrics)  # as each suite finishes: a later failure keeps them
             metrics.update(suite_metrics)
         if "vllm" in e.backends:

@@ -107,6 +107,7 @@ def test_lab_run_smollm2_smoke(workdir):
         assert metrics[f"eval/{suite}/ref/k3/al"] >= 1.0, suite
         assert metrics[f"eval/{suite}/ref/k3/exact_match"] == 1.0, suite  # lossless: the target's own tokens
         assert f"drift/{suite}/k3/sink_mass" in metrics, suite
+        assert metrics[f"time/eval_{suite}_s"] > 0, suite
     for variant in ["llama3", "gemma", "mistral", "user_assistant"]:
         assert f"eval/template.{variant}/ref/k3/al" in metrics, variant
     assert metrics["data/train_sequences"] == 16 and metrics["data/regen_generated_tokens"] > 0

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from lab.data.text import Sequences
-from lab.fsutil import file_lock, mismatched_file, sha256_file, short_hash, staging_dir
+from lab.fsutil import file_lock, mismatched_file, read_manifest, sha256_file, short_hash, staging_dir
 from lab.target import Target, capture
 
 MANIFEST = "manifest.json"
@@ -49,12 +49,8 @@ def cache_key(target: Target, dcfg: DictConfig, aux_layers: list[int]) -> str:
 
 def _verify(path: Path) -> dict | None:
     """The manifest if every shard is present with its recorded hash, else None."""
-    mf = path / MANIFEST
-    if not mf.is_file():
-        return None
-    try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError:
+    manifest = read_manifest(path, MANIFEST)
+    if manifest is None:
         return None
     bad = mismatched_file(path, {shard["file"]: shard["sha256"] for shard in manifest["shards"]})
     if bad is not None:

@@ -17,8 +17,10 @@ import functools
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lab.assets import asset_file
 from lab.config import ConfigError
@@ -109,14 +111,7 @@ def read_jsonl(path: str | Path, key: str = "data.path") -> list[Conversation]:
     if not path.is_file():
         raise ConfigError(key, f"'{path}' is not a readable file (expected JSONL with one conversation a line)")
     out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(key, f"{where}: not JSON ({exc.msg})") from None
+    for number, where, row in jsonl_rows(path, key):
         if not isinstance(row, dict) or "messages" not in row:
             raise ConfigError(key, f"{where}: expected an object with 'messages' (a list of role/content objects)")
         messages = normalise(check_messages(row["messages"], where, key))
@@ -126,6 +121,19 @@ def read_jsonl(path: str | Path, key: str = "data.path") -> list[Conversation]:
     if not out:
         raise ConfigError(key, f"{path} holds no conversations")
     return out
+
+
+def jsonl_rows(path: Path, key: str) -> Iterator[tuple[int, str, Any]]:
+    """(line number, "FILE:LINE", parsed object) of each non-empty line; a line that is not JSON is a
+    ConfigError naming `key`, the file and the line."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            yield number, where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(key, f"{where}: not JSON ({exc.msg})") from None
 
 
 def _id_hash(conv_id: str, salt: str = "") -> int:

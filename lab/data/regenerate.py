@@ -36,7 +36,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from lab.data.conversations import Conversation
-from lab.fsutil import atomic_file, file_lock, sha256_file, short_hash
+from lab.fsutil import atomic_file, file_lock, read_manifest, sha256_file, short_hash
 from lab.target.generate import Generate, open_generator, resolve_backend, resolve_dtype
 
 FORMAT = 1
@@ -163,12 +163,8 @@ def _part_name(index: int) -> str:
 
 def _verified(path: Path) -> dict | None:
     """The manifest with only the parts whose files match their recorded hash (the rest are redone)."""
-    mf = path / MANIFEST
-    if not mf.is_file():
-        return None
-    try:
-        manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError:
+    manifest = read_manifest(path, MANIFEST)
+    if manifest is None:
         return None
     good = {}
     for name, part in manifest.get("parts", {}).items():

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from lab.config import ConfigError, DataSource, SuiteKind
 from lab.data.chat_suites import ChatSuiteInputs, build_chat_prompts
+from lab.data.conversations import jsonl_rows
 from lab.data.text import corpus_files
 from lab.target import chat
 from lab.target.chat_template import HandChat, TokenizerChat
@@ -150,14 +151,7 @@ def read_jsonl(
     is rendered in `template` (by `fmt` where given: the training data's format), ending where the
     assistant answers (a final assistant turn is dropped)."""
     out = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(key, f"{where}: not JSON ({exc.msg})") from None
+    for _, where, row in jsonl_rows(path, key):
         if not isinstance(row, dict) or not ("prompt" in row) ^ ("messages" in row):
             raise ConfigError(key, f"{where}: expected an object with either 'prompt' or 'messages'")
         if "prompt" in row:
