@@ -47,9 +47,8 @@ class RunHooks:
     """What a caller (a sweep) hears during a run. `on_train_metrics` may raise `track.RunStopped` to end
     the run early (pruning)."""
 
-    on_stage: Callable[[str], None] = lambda stage: (
-        None
-    )  # target, data, drafter|cache, suites, train, eval SUITE, rollout
+    # target, data, drafter|cache, suites, train, eval SUITE, rollout
+    on_stage: Callable[[str], None] = lambda stage: None
     on_start: Callable[[str], None] = lambda run_id: None  # the MLflow run id, once the run exists
     on_train_metrics: Callable[[dict[str, float], int], None] = lambda metrics, step: None
 
@@ -108,7 +107,8 @@ def run(
         seconds["cache"] = time.time() - t0
     t0 = time.time()
     stage("suites")
-    suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]  # bad input fails here
+    # bad input in a suite fails here, before any MLflow run
+    suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
     seconds["suites"] = time.time() - t0
 
     arm = arm_name(logged)

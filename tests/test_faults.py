@@ -214,3 +214,30 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
         uri_b, straight.run_id, "train/loss"
     )
     assert finished.data.metrics["eval/in_dist/ref/k3/al"] == straight.metrics["eval/in_dist/ref/k3/al"]
+
+
+def test_a_suite_logged_by_two_workers_at_once_is_recorded_once_in_each_run(tmp_path, monkeypatch):
+    """Two workers of a study log the same suite dataset at the same moment; MLflow's get-or-create of a
+    dataset is not atomic, so the slower insert breaks the unique key. The run must retry, not fail."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri, artifacts = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
+    rows = [{"variant": "a", "num_tokens": 3.0, "text": "x", "token_ids": "[1, 2, 3]"}]
+    with track.start_run(uri, artifacts, "race", "first", {"study": "race"}) as first:
+        first.log_dataset("in_dist", rows)  # the other worker's row, already there
+    real, calls = mlflow.log_input, []
+
+    def racing(*args, **kwargs):  # the first attempt loses the race, as the demo's second worker did
+        calls.append(1)
+        if len(calls) == 1:
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mlflow, "log_input", racing)
+    with track.start_run(uri, artifacts, "race", "second", {"study": "race"}) as second:
+        second.log_dataset("in_dist", rows)
+    assert len(calls) == 2
+    inputs = MlflowClient(uri).get_run(second.id).inputs.dataset_inputs
+    assert [d.dataset.name for d in inputs] == ["in_dist"]

@@ -130,8 +130,18 @@ class Run:
     def log_dataset(self, name: str, records: list[dict], context: str = "eval") -> None:
         """A table of rows as an MLflow dataset input of the run (shown in the UI's Datasets panel)."""
         import pandas as pd
+        from mlflow.exceptions import MlflowException
 
-        mlflow.log_input(mlflow.data.from_pandas(pd.DataFrame.from_records(records), name=name), context=context)
+        dataset = mlflow.data.from_pandas(pd.DataFrame.from_records(records), name=name)
+        for attempt in range(3):
+            try:
+                mlflow.log_input(dataset, context=context)
+                return
+            except MlflowException as exc:
+                # Workers of one study log the same suite at once, and MLflow's get-or-create of a dataset
+                # is not atomic: the loser's insert breaks the unique key; a retry finds the winner's row.
+                if "unique constraint" not in str(exc).lower() or attempt == 2:
+                    raise
 
 
 class RunStopped(Exception):
