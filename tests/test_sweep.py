@@ -19,6 +19,7 @@ from lab.config import ConfigError
 from lab.sweep import engine, spec
 from lab.sweep.engine import launch
 from lab.sweep.spec import Sweep
+from lab.train.ttt import HOLD_ENV
 
 FAST = ["train.steps=6", "eval.num_prompts=2"]
 
@@ -332,14 +333,16 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     )
     sweep, extra = spec.load(str(path)), [*_store(tmp_path, micro_overrides), "train.steps=40"]
     cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
-    log = tmp_path / "ctrlc.log"
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    log, held = tmp_path / "ctrlc.log", tmp_path / "held"
+    # the first trial's training waits after step 5 until interrupted: the interrupt lands mid-training however
+    # fast the machine is (lab.train.ttt.HOLD_ENV)
+    env = {**os.environ, HOLD_ENV: f"5:{held}"}
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.time() + 600
     try:
-        while "): train" not in log.read_text():  # inside the first trial's training
+        while not held.exists():
             assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
-        time.sleep(3)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
         assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
     finally:

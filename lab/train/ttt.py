@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +165,20 @@ def loss_function(drafter: Eagle3Drafter, tcfg: DictConfig) -> Callable[..., Ste
     return functools.partial(ttt_loss, drafter)
 
 
+HOLD_ENV = "LAB_HOLD_AFTER_STEP"  # "N:FILE": after step N, touch FILE and wait for Ctrl-C
+
+
+def _hold(done: int, stop: StopRequest) -> None:
+    """With LAB_HOLD_AFTER_STEP=N:FILE, training stops after step N, says so by creating FILE and waits
+    there until interrupted: a test interrupts at a point it controls, however fast the machine trains."""
+    hold = os.environ.get(HOLD_ENV, "")
+    if not hold or int(hold.split(":", 1)[0]) != done:
+        return
+    Path(hold.split(":", 1)[1]).touch()
+    while not stop.requested:
+        time.sleep(0.05)
+
+
 def simulated_acc_len(accs: list[float]) -> float:
     """sum over k of prod_{j<=k} acc_j (design.md)."""
     total, running = 0.0, 1.0
@@ -271,6 +287,7 @@ def train(
                     sal=f"{last['train/simulated_acc_len']:.2f}",
                 )
                 window, window_tokens, window_start = [], 0, time.time()
+            _hold(done, stop)
             stopping = stop.requested  # read once: a Ctrl-C from here on still gets its checkpoint
             if checkpoint is not None and (done % checkpoint.every == 0 or done == tcfg.steps or stopping):
                 state = TrainState(
