@@ -129,17 +129,17 @@ def _long_context(
         rng = random.Random(SUITE_SEED + length)
         for _ in range(count):
             order = rng.sample(range(len(pairs)), len(pairs))
-            history: list[Message] = []
             question = dict(questions[order[0]])
+            messages, ids = [question], chat.prompt([question])
             for index in order[1:]:
-                grown = history + [dict(pairs[index][0]), dict(pairs[index][1])]
-                if len(chat.prompt(grown + [question])) > length:
+                grown = messages[:-1] + [dict(pairs[index][0]), dict(pairs[index][1]), question]
+                grown_ids = chat.prompt(grown)
+                if len(grown_ids) > length:
                     continue  # too long a pair here: a shorter one may still fit
-                history = grown
-                if len(chat.prompt(history + [question])) > 0.9 * length:
+                messages, ids = grown, grown_ids
+                if len(ids) > 0.9 * length:
                     break
-            messages = history + [question]
-            out.append((f"L{length}", chat.prompt(messages), messages))
+            out.append((f"L{length}", ids, messages))
     return out
 
 

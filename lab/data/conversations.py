@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,9 +155,3 @@ def select(conversations: list[Conversation], count: int, seed: int, key: str) -
         raise ConfigError(key, f"asks for {count} conversations but the split holds {len(conversations)}")
     order = sorted(conversations, key=lambda c: _id_hash(c.id, f"select{seed}:"))
     return order[:count]
-
-
-def shuffled(items: list, seed: int) -> list:
-    out = list(items)
-    random.Random(seed).shuffle(out)
-    return out
