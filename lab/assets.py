@@ -13,7 +13,6 @@ without the registry).
 from __future__ import annotations
 
 import base64
-import hashlib
 import shutil
 import subprocess
 import sys
@@ -128,8 +127,5 @@ def _record_hashes(zf: zipfile.ZipFile) -> dict[str, str]:
 
 
 def _urlsafe_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            h.update(block)
-    return base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+    """sha256 as a wheel's RECORD writes it (urlsafe base64, unpadded)."""
+    return base64.urlsafe_b64encode(bytes.fromhex(sha256_file(path))).rstrip(b"=").decode()
