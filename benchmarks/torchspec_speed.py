@@ -11,7 +11,7 @@ is reported per round and as the median.
 
     .venv/bin/python benchmarks/torchspec_speed.py [--rounds 5] [--steps 10] [hydra overrides...]
 
-Needs TorchSpec (see the README, section TorchSpec); without it, it prints how to install it and exits 2.
+Needs TorchSpec (see docs/torchspec.md); without it, it prints how to install it and exits 2.
 """
 
 from __future__ import annotations

@@ -463,7 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ablate",
         help="every arm x seed of experiments/NAME.yaml as a grid study, child runs of one parent (resumable)",
         description="Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child "
-        "MLflow runs of one parent run, then the tables in reports/NAME/summary.md. Rerunning the same command "
+        "MLflow runs of one parent run, then the tables and reports/NAME/report.md. Rerunning the same command "
         "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.",
         epilog="experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"

@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
-# head_dim values vLLM's CPU attention backend can serve (design.md).
+# head_dim values vLLM's CPU attention backend can serve (docs/design.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 # SQLAlchemy dialects of MLflow's database store (mlflow.store.db.db_types).
@@ -455,7 +455,7 @@ def validate(cfg: DictConfig) -> None:
 TRAIN_BACKENDS = ("native", "torchspec")
 TORCHSPEC_INSTALL = (
     "it is not on PyPI; install an editable checkout: git clone https://github.com/torchspec-project/TorchSpec "
-    "&& pip install --no-deps -e TorchSpec && pip install wandb ray datasets (README: TorchSpec)"
+    "&& pip install --no-deps -e TorchSpec && pip install wandb ray datasets (docs/torchspec.md)"
 )
 
 

@@ -2,7 +2,7 @@
 # `make demo`: the drift_2x2 ablation in the quick profile (4 arms x 2 seeds, two workers) on the tiny code
 # target, its report from MLflow, and where to look. A second run reuses the target, the hidden-state cache
 # and the finished runs, and only rewrites the report. The default target (SmolLM2 on regenerated ShareGPT)
-# does not fit the demo's 30 minutes on 2 cores (README: measured costs); `lab run profile=smoke` shows it
+# does not fit the demo's 30 minutes on 2 cores (docs/real-target.md: measured costs); `lab run profile=smoke` shows it
 # end to end in minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."

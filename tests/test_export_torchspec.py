@@ -15,7 +15,7 @@ from lab.cli import main
 from lab.config import compose, config_hash
 
 MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
-TORCHSPEC_MISSING = "TorchSpec is not installed: README, section TorchSpec, says how to install it and run this test"
+TORCHSPEC_MISSING = "TorchSpec is not installed: docs/torchspec.md says how to install it and run this test"
 
 
 def export(tmp_path: Path, *args: str, name: str = "out") -> tuple[int, Path]:

@@ -1,7 +1,7 @@
 """`train.backend=torchspec`, and parity of the native drafter and TTT loss with TorchSpec's.
 
-The parity tests need TorchSpec (not on PyPI) and are skipped without it; the README's section
-"TorchSpec" says how to install it and run them. TorchSpec's drafter is built here from the checkpoint
+The parity tests need TorchSpec (not on PyPI) and are skipped without it; docs/torchspec.md
+says how to install it and run them. TorchSpec's drafter is built here from the checkpoint
 that `save_native` writes (its own config reader and key map), not from our module, so the tests also
 check that our checkpoints load into TorchSpec unchanged.
 """
@@ -32,7 +32,7 @@ def _torchspec_importable() -> bool:
 HAVE_TORCHSPEC = _torchspec_importable()
 needs_torchspec = pytest.mark.skipif(
     not HAVE_TORCHSPEC,
-    reason="TorchSpec is not installed: the parity tests need it (README, section TorchSpec, says how to run them)",
+    reason="TorchSpec is not installed: the parity tests need it (docs/torchspec.md says how to run them)",
 )
 
 VOCAB, HIDDEN, AUX_SCALES = 96, 64, (1.0, 4.0, 16.0)  # captured layers at different scales, as in a real target

@@ -1,4 +1,4 @@
-"""Drift probes (design.md): where the drafter's attention goes along a speculation chain, how the
+"""Drift probes (docs/design.md): where the drafter's attention goes along a speculation chain, how the
 fed-back hidden state grows, how the captured layers share the fused input, and teacher-forced
 rollout accuracy far beyond the training depth.
 """

@@ -1,4 +1,4 @@
-"""Evaluate a drafter on suites with the reference decoder; returns metrics named as in design.md.
+"""Evaluate a drafter on suites with the reference decoder; returns metrics named as in docs/design.md.
 
 A value that is a list is a curve (logged with step = position 1..k).
 """

@@ -1,5 +1,5 @@
 """Evaluate a drafter in real vLLM: export it, run `lab.eval.vllm_worker` in a subprocess, name the
-metrics as design.md does (`eval/{suite}/vllm/k{k}/...`, throughput `.../c{C}/speedup`).
+metrics as docs/design.md does (`eval/{suite}/vllm/k{k}/...`, throughput `.../c{C}/speedup`).
 
 This module never imports vllm itself; the worker does, in its own process.
 """
