@@ -140,7 +140,7 @@ class DrafterConfig:
     aux_layers: list[int] | None = None
     # lm_head rows: the most frequent tokens of the training data (EAGLE-3's d2t); None or >= the
     # target's vocabulary = the full vocabulary (no d2t)
-    draft_vocab_size: int | None = None
+    draft_vocab_size: int | None = 16384
     init_lm_head_from_target: bool = True
     rms_norm_eps: float = 1e-6
     # a drafter checkpoint folder trained elsewhere (TorchSpec, speculators, lab export): evaluated instead of
@@ -152,8 +152,8 @@ class DrafterConfig:
 class TrainConfig:
     backend: str = "native"
     ttt_length: int = 3
-    steps: int = 320
-    batch_size: int = 16
+    steps: int = 120
+    batch_size: int = 8
     lr: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -199,15 +199,15 @@ class EvalConfig:
     # null: every suite that fits the data (SUITES_FOR_DATA), resolved at composition
     suites: list[str] | None = None
     backends: list[str] = field(default_factory=lambda: ["ref"])
-    num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 5])
-    num_prompts: int = 20  # per suite variant (a template, a system prompt, a context length)
+    num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 8])  # drafting depths k
+    num_prompts: int = 8  # per suite variant (a template, a system prompt, a context length)
     prompt_len: int = 64  # code data: the in_dist / template / system_prompt prompt's length in tokens
     max_prompt_len: int = 512  # conversations: the longest in_dist / template / system_prompt prompt in tokens
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
     n_sink: int = 1  # leading positions counted as the attention sink
-    rollout_depth: int | None = None  # teacher-forced rollout depth; None = 3 x train.ttt_length
+    rollout_depth: int | None = None  # teacher-forced rollout depth; None = max(3 x train.ttt_length, max k)
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
 
 
@@ -429,6 +429,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("drafter.aux_layers", f"ids must be ascending, got {layers}")
     if cfg.drafter.checkpoint:
         _validate_checkpoint(cfg)
+    if len(cfg.eval.num_speculative_tokens) == 0:
+        raise ConfigError("eval.num_speculative_tokens", "must name at least one drafting depth k, e.g. [3, 8]")
     for k in cfg.eval.num_speculative_tokens:
         if not isinstance(k, int) or k < 1:
             raise ConfigError(

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from omegaconf import DictConfig, OmegaConf
+
 from lab.config import CONFIG_DIR, ConfigError, aux_layers, compose, config_hash, flatten
 
 
@@ -161,3 +163,74 @@ def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
     with pytest.raises(ConfigError, match="^eval.backends: 'vllm' cannot serve drafter.norm_type=layernorm"):
         check_vllm_servable(cfg)
     check_vllm_servable(compose(["drafter=eagle31", "eval.backends=[ref,vllm]"]))
+
+
+# The schema (lab/config.py) holds every default; a config file states only what it changes. A file that
+# restates a value its base already has is a second source of that default, free to drift from the first.
+GROUP_SCHEMAS = {
+    "target": "TargetConfig",
+    "data": "DataConfig",
+    "drafter": "DrafterConfig",
+    "train": "TrainConfig",
+    "eval": "EvalConfig",
+    "tracking": "TrackingConfig",
+    "suite": "SuiteConfig",
+}
+
+
+def _file_base(group: str, raw: DictConfig) -> DictConfig:
+    """What a group file starts from: the schema's defaults, then the files it inherits through `defaults:`."""
+    import lab.config as config
+
+    base = OmegaConf.structured(getattr(config, GROUP_SCHEMAS[group]))
+    for parent in raw.get("defaults", []):
+        if parent != "_self_":
+            parent_raw = OmegaConf.load(CONFIG_DIR / group / f"{parent}.yaml")
+            base = OmegaConf.merge(_file_base(group, parent_raw), _without_defaults(parent_raw))
+    return base
+
+
+def _without_defaults(raw: DictConfig) -> DictConfig:
+    return OmegaConf.create({k: v for k, v in raw.items() if k != "defaults"})
+
+
+def _restated(base: DictConfig, raw: DictConfig, prefix: str = "") -> list[str]:
+    """Keys of `raw` whose value equals what `base` already gives them."""
+    found = []
+    for key, value in raw.items():
+        if key in ("defaults", "name") or key not in base:
+            continue
+        if isinstance(value, DictConfig) and isinstance(base[key], DictConfig):
+            found += _restated(base[key], value, f"{prefix}{key}.")
+            continue
+        merged = OmegaConf.merge(base, {key: value})  # the schema's types (enums) on both sides
+        if OmegaConf.to_container(merged)[key] == OmegaConf.to_container(base)[key]:
+            found.append(f"{prefix}{key}")
+    return found
+
+
+@pytest.mark.parametrize(("group", "name"), [e for e in _group_entries() if e[0] in GROUP_SCHEMAS])
+def test_config_files_state_only_what_they_change(group, name):
+    raw = OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml") or OmegaConf.create({})
+    restated = _restated(_file_base(group, raw), raw)
+    assert not restated, f"configs/{group}/{name}.yaml restates its base's value of {restated}: drop them"
+
+
+@pytest.mark.parametrize("name", [e[1] for e in _group_entries() if e[0] == "profile"])
+def test_profiles_state_only_what_they_change(name):
+    raw = OmegaConf.load(CONFIG_DIR / "profile" / f"{name}.yaml")
+    restated = _restated(compose([]), raw)
+    assert not restated, f"configs/profile/{name}.yaml restates the default run's value of {restated}: drop them"
+
+
+def test_the_default_run_is_the_schemas_defaults():
+    """train, eval and tracking of `lab run` come from the schema alone: their default files are empty."""
+    import lab.config as config
+
+    cfg = compose([])
+    for group in ("train", "eval", "tracking"):
+        schema = OmegaConf.to_container(OmegaConf.structured(getattr(config, GROUP_SCHEMAS[group])))
+        composed = OmegaConf.to_container(cfg[group])
+        if group == "eval":
+            composed["suites"] = None  # resolved at composition from the data
+        assert composed == schema, group
