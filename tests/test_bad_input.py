@@ -41,6 +41,12 @@ CASES: list[tuple[str, list[str], str, str]] = [
     # out of range
     ("step weight > 1", ["run", STORE, "train.step_weight=2"], "train.step_weight", "must be in (0, 1]"),
     ("negative temperature", ["run", STORE, "eval.temperature=-1"], "eval.temperature", "must be >= 0"),
+    (
+        "no drafting depth",
+        ["run", STORE, "eval.num_speculative_tokens=[]"],
+        "eval.num_speculative_tokens",
+        "at least one",
+    ),
     ("negative threads", ["run", STORE, "threads=-2"], "threads", "positive number of torch threads"),
     ("aux layer past the target", ["run", STORE, "drafter.aux_layers=[1,2,9]"], "drafter.aux_layers", "0..3"),
     # incompatible combinations
