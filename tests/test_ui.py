@@ -235,10 +235,10 @@ def _metric_row(key: str) -> Callable[[WebDriver], list[str] | None]:
 
 @pytest.mark.slow
 def test_ui_shows_the_study_and_its_child_runs_metric(browser: WebDriver, ui: str, store: Store) -> None:
-    # The experiment's training view: a new browser profile opens MLflow 3 on its GenAI overview instead,
-    # which has no runs table.
+    # A plain link, as the UI's experiment list makes: MLflow 3 opens a new browser profile on its GenAI overview,
+    # which has no runs table, unless the landing page (lab/track/ui_app.py) chose the training view.
     name = "mlflow_ui_experiment"
-    browser.get(f"{ui}#/experiments/{store.experiment_id}/runs?workflowType=machine_learning")
+    browser.get(f"{ui}#/experiments/{store.experiment_id}")
     _wait(browser, name, f"experiment {STUDY} with run {PARENT}", _body_shows(STUDY, PARENT))
     # The child is folded under its parent (tag mlflow.parentRunId); unfolding it proves the nesting.
     expand = f"//a[normalize-space()='{PARENT}']/ancestor::*[@role='gridcell'][1]//button"
@@ -247,7 +247,7 @@ def test_ui_shows_the_study_and_its_child_runs_metric(browser: WebDriver, ui: st
     _keep(browser, name)
 
     name = "mlflow_ui_run"
-    browser.get(f"{ui}#/experiments/{store.experiment_id}/runs/{store.child_id}?workflowType=machine_learning")
+    browser.get(f"{ui}#/experiments/{store.experiment_id}/runs/{store.child_id}")
     cells = _wait(browser, name, f"metric {METRIC} of run {CHILD}", _metric_row(METRIC))
     _keep(browser, name)
     assert cells == [METRIC, f"{VALUE:g}"]

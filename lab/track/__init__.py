@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import yaml
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
@@ -336,6 +337,31 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]
     return client.search_runs([exp.experiment_id], filter_string=filter_string)
 
 
+def runs_keyed_before(uri: str, scheme: int) -> list[Any]:
+    """Finished runs of every experiment whose `config_hash` tag was computed by a hash scheme older than
+    `scheme` (the tag `config_hash_scheme` is missing or lower): a study does not find them as done."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        return []  # nothing recorded yet; reading must not create an empty store
+    configure(uri)
+    client = MlflowClient()
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string="attributes.status = 'FINISHED' and tags.config_hash != ''",
+        max_results=50000,
+    )
+    return [r for r in runs if int(r.data.tags.get("config_hash_scheme", "1")) < scheme]
+
+
+def logged_config(uri: str, run_id: str) -> dict | None:
+    """The resolved config a run logged (`config.yaml`), or None when it has none."""
+    configure(uri)
+    try:
+        return yaml.safe_load(mlflow.artifacts.load_text(f"runs:/{run_id}/config.yaml"))
+    except (OSError, mlflow.exceptions.MlflowException, yaml.YAMLError):
+        return None
+
+
 def check_reachable(uri: str, timeout: float = 3.0) -> None:
     """ValueError (one line) when `uri` is an MLflow server that does not answer its health check.
 
@@ -375,6 +401,9 @@ def ui_environment() -> dict[str, str]:
     return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
+UI_APP = "lab"  # lab/track/ui_app.py, an `mlflow.app` entry point in pyproject.toml: opens runs tables
+
+
 def server_command(
     backend_uri: str, artifacts_destination: str, host: str = "127.0.0.1", port: int = 5000, workers: int = 2
 ) -> list[str]:
@@ -401,6 +430,8 @@ def server_command(
         str(port),
         "--workers",
         str(workers),
+        "--app-name",
+        UI_APP,
     ]
 
 
@@ -410,6 +441,7 @@ def ui_command(uri: str, artifact_root: str, host: str = "127.0.0.1", port: int 
     Run as `python -m mlflow` with this interpreter: the venv's `mlflow` script is not on PATH when
     `.venv/bin/lab ui` is called without activating the venv."""
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    cmd += ["--app-name", UI_APP]
     if "://" not in artifact_root:
         cmd += ["--default-artifact-root", Path(artifact_root).resolve().as_uri()]
     return cmd
