@@ -11,11 +11,11 @@ import time
 
 from lab.config import aux_layers, compose
 from lab.data.suites import build_suite
+from lab.drafter import init_drafter
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import speculative_decode
 from lab.pipeline import set_threads
 from lab.target import load
-from lab.train.ttt import init_drafter
 
 
 def main(overrides: list[str]) -> None:

@@ -25,10 +25,10 @@ import time
 import torch
 
 from lab.config import ConfigError, aux_layers, compose
-from lab.drafter import Eagle3Drafter
+from lab.drafter import Eagle3Drafter, drafter_spec
 from lab.pipeline import set_threads
 from lab.train.torchspec_config import target_model_config
-from lab.train.ttt import drafter_spec, ttt_loss
+from lab.train.ttt import ttt_loss
 
 
 def drafter_for(cfg) -> Eagle3Drafter:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lab.config import ConfigError, check_vllm_servable, compose, redact
-from lab.preflight import preflight
+from lab.config import ConfigError, compose, redact
+from lab.preflight import check_checkpoint, preflight
 
 EPILOG = """examples:
   lab run                                   # defaults: SmolLM2 target, regenerated ShareGPT, EAGLE-3, TTT 3
@@ -55,12 +55,14 @@ def _reachable(uri: str) -> str:
 
 
 def _study_reachable(sweep, extra: list[str]) -> None:
-    """The first point of a study composes and its store answers, before the engine is even imported."""
+    """The first point of a study composes (its drafter.checkpoint fits) and its store answers, before the
+    engine is even imported."""
     from lab.sweep.spec import blame
 
     base = sweep.base_point()
     try:
         cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+        check_checkpoint(cfg)
     except ConfigError as exc:  # the error the engine's check would raise for this point
         raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'") from None
     _reachable(cfg.tracking.uri)
@@ -68,7 +70,6 @@ def _study_reachable(sweep, extra: list[str]) -> None:
 
 def cmd_run(overrides: list[str]) -> int:
     cfg = compose(overrides)
-    check_vllm_servable(cfg)
     preflight(cfg)
     _reachable(cfg.tracking.uri)
     from lab.pipeline import run
@@ -357,7 +358,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_doctor(overrides: list[str]) -> int:
+def cmd_doctor(overrides: list[str], rekey: bool = False) -> int:
     import importlib.metadata as md
     from pathlib import Path
 
@@ -389,7 +390,41 @@ def cmd_doctor(overrides: list[str]) -> int:
         print(f"  {sub}: {', '.join(entries) or '(empty)'}")
     print(f"tracking uri: {cfg.tracking.uri}")
     print(f"artifact root: {Path(cfg.tracking.artifact_root).resolve()}")
+    _check_hash_scheme(cfg.tracking.uri, rekey)
     return 0
+
+
+def _check_hash_scheme(uri: str, rekey: bool) -> None:
+    """Runs keyed by an older config_hash scheme are not found as done by a study (it would rerun them):
+    say so in one line, or re-key them from the config each run logged."""
+    from lab import track
+    from lab.config import CONFIG_HASH_SCHEME, config_hash
+
+    old = track.runs_keyed_before(uri, CONFIG_HASH_SCHEME)
+    if not old:
+        return
+    if not rekey:
+        print(
+            f"store: {len(old)} finished run(s) carry a config_hash of an older scheme, so studies would rerun "
+            "them; `lab doctor --rekey` re-keys them from the config each logged"
+        )
+        return
+    done = 0
+    for run in old:
+        logged = track.logged_config(uri, run.info.run_id)
+        if logged is None or (logged.get("drafter") or {}).get("checkpoint"):
+            continue  # no config, or an imported drafter's (its logged keys are the checkpoint's): rerun
+        track.set_run_tags(
+            uri,
+            run.info.run_id,
+            {
+                "config_hash": config_hash(logged),
+                "config_hash_scheme": CONFIG_HASH_SCHEME,
+                "config_hash_previous": run.data.tags["config_hash"],
+            },
+        )
+        done += 1
+    print(f"store: re-keyed {done} of {len(old)} run(s) to config_hash scheme {CONFIG_HASH_SCHEME}")
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -555,6 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
     doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
     doctor.add_argument("overrides", nargs="*")
+    doctor.add_argument(
+        "--rekey",
+        action="store_true",
+        help="re-key runs recorded under an older config_hash scheme (from their config.yaml), so studies find them",
+    )
     ui = sub.add_parser("ui", help="the MLflow UI over the configured store (127.0.0.1 unless --host)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=5000)
@@ -591,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         "report": lambda: cmd_report(args),
         "target": lambda: cmd_target_build(args.overrides),
         "export": lambda: cmd_export(args),
-        "doctor": lambda: cmd_doctor(args.overrides),
+        "doctor": lambda: cmd_doctor(args.overrides, args.rekey),
         "ui": lambda: cmd_ui(args),
         "server": lambda: cmd_server(args),
     }

@@ -427,8 +427,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("drafter.aux_layers", f"ids must be distinct, got {layers}")
     if list(layers) != sorted(layers):
         raise ConfigError("drafter.aux_layers", f"ids must be ascending, got {layers}")
-    if cfg.drafter.checkpoint:
-        _validate_checkpoint(cfg)
     if len(cfg.eval.num_speculative_tokens) == 0:
         raise ConfigError("eval.num_speculative_tokens", "must name at least one drafting depth k, e.g. [3, 8]")
     for k in cfg.eval.num_speculative_tokens:
@@ -585,46 +583,17 @@ def _db_url_problem(url: str) -> str | None:
     return None
 
 
-def _validate_checkpoint(cfg: DictConfig) -> None:
-    """drafter.checkpoint is readable and fits the target (lab.drafter.imported.resolve), checked here so that
-    a wrong folder fails before any target is built."""
-    from lab.drafter.imported import resolve_for  # torch: imported only when a checkpoint is named
-
-    resolve_for(cfg)
-
-
-def check_vllm_servable(cfg: DictConfig) -> None:
-    """`lab run` asking vLLM for a drafter it cannot serve is refused before training (the same rule as
-    lab.drafter.formats.vllm_incompatibility). A study is not: there the arm is evaluated by the reference
-    backend only and tagged `vllm_skipped`, so that its other arms still get vLLM's numbers."""
-    d = cfg.drafter
-    if d.checkpoint and "vllm" in cfg.eval.backends:
-        from lab.drafter import vllm_incompatibility
-        from lab.drafter.imported import resolve_for
-
-        reason = vllm_incompatibility(resolve_for(cfg).spec)
-        if reason:
-            raise ConfigError("eval.backends", f"'vllm' cannot serve drafter.checkpoint={d.checkpoint}: {reason}")
-        return
-    if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
-        raise ConfigError(
-            "eval.backends",
-            f"'vllm' cannot serve drafter.norm_type={d.norm_type.value} with drafter.fc_norm={d.fc_norm.value} "
-            "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm, "
-            "or eval.backends=[ref]",
-        )
-
-
 TARGET_TEMPLATE = "target"  # data.template: the target tokenizer's own chat template
+# lab's own chat templates, in the order lab/target/chat.py defines them (the keys of its TEMPLATES; it checks
+# at import that the two agree): named here so that validation imports nothing from the target stage.
+TEMPLATE_NAMES = ("chatml", "llama3", "plain", "markdown", "gemma", "mistral", "phi3", "vicuna", "user_assistant")
 
 
 def _validate_data(cfg: DictConfig) -> None:
-    from lab.target.chat import TEMPLATES
-
     d = cfg.data
     chat_data = d.source != DataSource.code
-    allowed = ", ".join([*TEMPLATES, TARGET_TEMPLATE] if chat_data else TEMPLATES)
-    if d.template not in TEMPLATES and not (chat_data and d.template == TARGET_TEMPLATE):
+    allowed = ", ".join([*TEMPLATE_NAMES, TARGET_TEMPLATE] if chat_data else TEMPLATE_NAMES)
+    if d.template not in TEMPLATE_NAMES and not (chat_data and d.template == TARGET_TEMPLATE):
         raise ConfigError(
             "data.template",
             f"unknown chat template '{d.template}' for data.source={d.source.value}; allowed: {allowed}",
@@ -642,9 +611,7 @@ def _validate_data(cfg: DictConfig) -> None:
 
 
 def _validate_suites(cfg: DictConfig) -> None:
-    from lab.target.chat import TEMPLATES
-
-    templates = ", ".join(TEMPLATES)
+    templates = ", ".join(TEMPLATE_NAMES)
     _validate_data(cfg)
     if not cfg.eval.suites:
         raise ConfigError("eval.suites", f"must name at least one suite; configured: {', '.join(cfg.suites)}")
@@ -685,7 +652,7 @@ def _validate_suites(cfg: DictConfig) -> None:
                     f"the target's max positions ({_max_positions(cfg)})",
                 )
         for t in list(suite.templates or []) + ([suite.template] if suite.template else []):
-            if t not in TEMPLATES:
+            if t not in TEMPLATE_NAMES:
                 raise ConfigError(f"{key}.templates", f"unknown chat template '{t}'; allowed: {templates}")
         if suite.kind == SuiteKind.template and suite.templates is not None and cfg.data.template in suite.templates:
             raise ConfigError(f"{key}.templates", f"'{cfg.data.template}' is the drafter's training template")
@@ -727,15 +694,48 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
     return out
 
 
-def config_hash(cfg: DictConfig) -> str:
-    """Identity of what a run computes: everything except where it is tracked and how it is labelled."""
-    data = to_container(cfg)
+# Bumped only when a default's meaning changes (a run that left the key at its default computed something
+# else then): config_hash covers the values that differ from the schema's defaults, so a key added with a
+# default leaves every recorded hash unchanged. Runs carry it as the tag `config_hash_scheme`.
+CONFIG_HASH_SCHEME = 2  # 1: a hash of every key (until 2026-11)
+_NOT_SET = object()
+
+
+def _schema_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """The schema's default of every key in `data` (a run's config as a container)."""
+    groups = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    defaults: dict[str, Any] = {}
+    for name, value in data.items():
+        kind = hints.get(name, groups.get(name))
+        if name == "suites":
+            defaults[name] = {s: to_container(OmegaConf.structured(SuiteConfig)) for s in value}
+        elif dataclasses.is_dataclass(kind):
+            defaults[name] = to_container(OmegaConf.structured(kind))
+        else:
+            field_ = next((f for f in dataclasses.fields(Config) if f.name == name), None)
+            defaults[name] = field_.default if field_ is not None else _NOT_SET
+    return defaults
+
+
+def _changed(value: Any, default: Any) -> Any:
+    """The parts of `value` that differ from `default` (dicts key by key), or _NOT_SET when none does."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        out = {k: c for k, v in value.items() if (c := _changed(v, default.get(k, _NOT_SET))) is not _NOT_SET}
+        return out or _NOT_SET
+    return _NOT_SET if value == default else value
+
+
+def config_hash(cfg: DictConfig | dict) -> str:
+    """Identity of what a run computes: the values that differ from the schema's defaults (not where the run
+    is tracked, how it is labelled, or how often it saves progress), and the hash scheme."""
+    data = to_container(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
     for key in ("tracking", "study", "arm", "cache_dir", "threads"):
         data.pop(key, None)
-    data.get("train", {}).pop("checkpoint_every", None)  # how often progress is saved, not what is computed
-    if data.get("drafter", {}).get("checkpoint", "") is None:
-        del data["drafter"]["checkpoint"]  # a trained drafter: runs recorded before the key keep their hash
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+    data.get("train", {}).pop("checkpoint_every", None)
+    changed = _changed(data, _schema_defaults(data))
+    identity = {"scheme": CONFIG_HASH_SCHEME, "config": {} if changed is _NOT_SET else changed}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def arm_name(cfg: DictConfig) -> str:

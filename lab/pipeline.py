@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import tempfile
 import time
@@ -23,14 +24,23 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lab import track
-from lab.config import ConfigError, DataSource, arm_name, aux_layers, config_hash, flatten, rollout_depth
+from lab.config import (
+    CONFIG_HASH_SCHEME,
+    ConfigError,
+    DataSource,
+    arm_name,
+    aux_layers,
+    config_hash,
+    flatten,
+    rollout_depth,
+)
 from lab.data.cache import build_or_load
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
 from lab.data.regenerate import regenerate
 from lab.data.suites import build_suite
 from lab.data.text import training_sequences
-from lab.drafter import Eagle3Drafter, load_checkpoint, save_native, vllm_incompatibility
+from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native, vllm_incompatibility
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
@@ -39,7 +49,8 @@ from lab.fsutil import claim
 from lab.target import load as load_target
 from lab.train import resume
 from lab.train import torchspec as torchspec_backend
-from lab.train.ttt import init_drafter, train
+from lab.train.step import LossFn
+from lab.train.ttt import train, ttt_loss
 
 
 @dataclass
@@ -118,6 +129,7 @@ def run(
         "seed": cfg.seed,
         "git_commit": track.git_commit(),
         "config_hash": config_hash(cfg),
+        "config_hash_scheme": CONFIG_HASH_SCHEME,
         "target": target.fingerprint,
         "target_path": str(Path(target.path).resolve()),  # `lab export` names it as the verifier
         **(tags or {}),
@@ -253,9 +265,18 @@ def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: Ru
         progress=progress,
         checkpoint=checkpoint,
         resume=state,
+        loss=training_loss(drafter, cfg.train),
     )
     seconds["train"] = time.time() - t0
     return drafter, result.tokens_per_s
+
+
+def training_loss(drafter: Eagle3Drafter, tcfg: DictConfig) -> LossFn:
+    """The TTT loss of `train.backend`, bound to `drafter`: ours (`ttt_loss`), or TorchSpec's drafter and
+    loss over the same weights (lab/train/torchspec.py)."""
+    if tcfg.backend == "torchspec":
+        return torchspec_backend.TorchSpecTTT.for_drafter(drafter, tcfg.ttt_length).loss
+    return functools.partial(ttt_loss, drafter)
 
 
 def _load_checkpoint(cfg: DictConfig, target) -> tuple[CheckpointInfo, Eagle3Drafter]:

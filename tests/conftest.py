@@ -59,7 +59,8 @@ def micro_hidden(micro_cfg, micro_target, micro_sequences):
 
 @pytest.fixture(scope="session")
 def trained_eagle3(micro_cfg, micro_target, micro_hidden):
-    from lab.train.ttt import init_drafter, train
+    from lab.drafter import init_drafter
+    from lab.train.ttt import train
 
     drafter = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
     result = train(drafter, micro_hidden, micro_target.lm_head_weight, micro_cfg.train, seed=0, progress=False)
@@ -68,7 +69,8 @@ def trained_eagle3(micro_cfg, micro_target, micro_hidden):
 
 @pytest.fixture(scope="session")
 def trained_eagle31(micro_overrides, micro_target, micro_hidden):
-    from lab.train.ttt import init_drafter, train
+    from lab.drafter import init_drafter
+    from lab.train.ttt import train
 
     cfg = compose(micro_overrides + ["drafter=eagle31"])
     drafter = init_drafter(micro_target, cfg.drafter, aux_layers(cfg), seed=0)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-
 from omegaconf import DictConfig, OmegaConf
 
 from lab.config import CONFIG_DIR, ConfigError, aux_layers, compose, config_hash, flatten
@@ -157,12 +158,29 @@ def test_cli_exits_2_with_one_line(tmp_path):
 
 
 def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
-    from lab.config import check_vllm_servable
+    from lab.preflight import check_vllm_servable
 
     cfg = compose(["drafter=eagle31", "drafter.norm_type=layernorm", "eval.backends=[ref,vllm]"])  # a study's arm
     with pytest.raises(ConfigError, match="^eval.backends: 'vllm' cannot serve drafter.norm_type=layernorm"):
         check_vllm_servable(cfg)
     check_vllm_servable(compose(["drafter=eagle31", "eval.backends=[ref,vllm]"]))
+
+
+def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_compose(tmp_path):
+    """compose reads no drafter file (lab/config.py imports nothing of the stages); `lab run`'s preflight and
+    a study's check of every point refuse a drafter.checkpoint that is not there, in one line naming it."""
+    from lab.preflight import preflight
+    from lab.sweep import spec
+
+    micro = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+    missing = tmp_path / "nothing"
+    cfg = compose([*micro, f"drafter.checkpoint={missing}"])
+    with pytest.raises(ConfigError, match="^drafter.checkpoint: .*nothing.*missing"):
+        preflight(cfg)
+    path = tmp_path / "s.yaml"
+    path.write_text(f"space: {{drafter.checkpoint: [{missing}]}}\nobjectives: [eval/in_dist/ref/k3/al]\n")
+    with pytest.raises(ConfigError, match=r"s\.yaml point 'checkpoint=.*nothing': drafter\.checkpoint: .*missing"):
+        spec.load(str(path)).check(micro)
 
 
 # The schema (lab/config.py) holds every default; a config file states only what it changes. A file that
@@ -234,3 +252,89 @@ def test_the_default_run_is_the_schemas_defaults():
         if group == "eval":
             composed["suites"] = None  # resolved at composition from the data
         assert composed == schema, group
+
+
+# config_hash covers the values that differ from the schema's defaults (and the hash scheme), so that adding a
+# key with a default keeps every recorded hash. Changing a default's value must bump CONFIG_HASH_SCHEME: the
+# snapshot below holds the defaults of the current scheme.
+SCHEMA_SNAPSHOT = Path(__file__).parent / "data" / "schema_defaults.json"
+
+
+def _defaults_now() -> dict:
+    import lab.config as config
+
+    groups = {
+        g: OmegaConf.to_container(OmegaConf.structured(getattr(config, c)), enum_to_str=True)
+        for g, c in GROUP_SCHEMAS.items()
+    }
+    groups["seed"] = config.Config.seed
+    return groups
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_a_changed_default_bumps_the_hash_scheme():
+    from lab.config import CONFIG_HASH_SCHEME
+
+    if os.environ.get("LAB_WRITE_SCHEMA_SNAPSHOT") == "1":
+        SCHEMA_SNAPSHOT.write_text(
+            json.dumps({"scheme": CONFIG_HASH_SCHEME, "defaults": _defaults_now()}, indent=1) + "\n"
+        )
+    snapshot = json.loads(SCHEMA_SNAPSHOT.read_text())
+    regenerate = "then LAB_WRITE_SCHEMA_SNAPSHOT=1 pytest tests/test_config.py -k hash_scheme"
+    assert snapshot["scheme"] == CONFIG_HASH_SCHEME, f"CONFIG_HASH_SCHEME changed: {regenerate}"
+    now = _leaves(_defaults_now())
+    changed = {k: (v, now[k]) for k, v in _leaves(snapshot["defaults"]).items() if k in now and now[k] != v}
+    assert not changed, f"defaults changed meaning {changed}: bump CONFIG_HASH_SCHEME in lab/config.py, {regenerate}"
+
+
+def test_a_key_added_with_a_default_keeps_the_hash():
+    cfg = compose(["drafter=eagle31", "train.steps=7", "seed=3"])
+    recorded = OmegaConf.to_container(cfg, enum_to_str=True)
+    del recorded["train"]["min_lr_ratio"]  # as recorded before these keys existed
+    del recorded["eval"]["vllm"]["timeout_s"]
+    del recorded["suites"]["template"]["templates"]
+    assert config_hash(recorded) == config_hash(cfg)
+    assert config_hash(compose(["drafter=eagle31", "train.steps=8", "seed=3"])) != config_hash(cfg)
+    assert config_hash(
+        compose(["drafter=eagle31", "train.steps=7", "seed=3", "train.min_lr_ratio=0.2"])
+    ) != config_hash(cfg)
+    # where it is tracked, how it is labelled and how often it saves progress are not what it computes
+    same = ["drafter=eagle31", "train.steps=7", "seed=3", "study=x", "arm=y", "threads=1", "train.checkpoint_every=3"]
+    assert config_hash(compose(same)) == config_hash(cfg)
+
+
+def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
+    """A run recorded before a key existed still matches a fresh composition; a run keyed by the old scheme
+    is named by `lab doctor` in one line and re-keyed by `lab doctor --rekey` from its logged config."""
+    from lab import track
+    from lab.config import CONFIG_HASH_SCHEME
+
+    uri, root = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
+    overrides = ["target=micro", "data=micro", "drafter=eagle31", "train.steps=7"]
+    logged = OmegaConf.to_container(compose(overrides), enum_to_str=True)
+    del logged["train"]["min_lr_ratio"]
+    tags = {"config_hash": config_hash(logged), "config_hash_scheme": CONFIG_HASH_SCHEME}
+    with track.start_run(uri, root, "s", "new", tags) as run:
+        run.log_dict(logged, "config.yaml")
+    with track.start_run(uri, root, "s", "old", {"config_hash": "0123456789ab"}) as old:  # scheme 1: no tag
+        old.log_dict(logged, "config.yaml")
+    assert track.get_run(uri, run.id).data.tags["config_hash"] == config_hash(compose(overrides))
+
+    doctor = [sys.executable, "-m", "lab.cli", "doctor", f"tracking.uri={uri}", f"tracking.artifact_root={root}"]
+    said = subprocess.run(doctor, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert [line for line in said.splitlines() if line.startswith("store:")] == [
+        "store: 1 finished run(s) carry a config_hash of an older scheme, so studies would rerun them; "
+        "`lab doctor --rekey` re-keys them from the config each logged"
+    ]
+    said = subprocess.run([*doctor, "--rekey"], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert "store: re-keyed 1 of 1 run(s)" in said
+    tags = track.get_run(uri, old.id).data.tags
+    assert (tags["config_hash"], tags["config_hash_previous"]) == (config_hash(compose(overrides)), "0123456789ab")
+    said = subprocess.run(doctor, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert "store:" not in said

@@ -20,6 +20,8 @@ from lab.data.suites import build_suite
 from lab.drafter import (
     CheckpointError,
     Eagle3Drafter,
+    draft_vocabulary,
+    init_drafter,
     inspect_checkpoint,
     load_checkpoint,
     save_native,
@@ -28,7 +30,6 @@ from lab.drafter import (
 from lab.drafter.formats import MANIFEST, WEIGHTS, target_mask
 from lab.drafter.imported import resolve
 from lab.eval.reference import DecodeStats, speculative_decode
-from lab.train.ttt import draft_vocabulary, init_drafter
 
 DRAFT_VOCAB = 96  # of the micro target's 512
 

@@ -68,10 +68,10 @@ def test_the_drafter_is_shaped_as_init_drafter_shapes_it():
     """Without the target's weights, the same DrafterSpec the native trainer builds."""
     from transformers import LlamaForCausalLM
 
+    from lab.drafter import drafter_spec, init_drafter
     from lab.target import Target
     from lab.target.build import llama_config
-    from lab.train.torchspec_config import _VocabOnly, drafter_spec
-    from lab.train.ttt import init_drafter
+    from lab.train.torchspec_config import _VocabOnly
 
     cfg = compose([*MICRO, "drafter=eagle31", "drafter.draft_vocab_size=100", "drafter.aux_layers=[1,3]"])
     model = LlamaForCausalLM(llama_config(cfg.target, _VocabOnly(cfg.target.vocab_size)))

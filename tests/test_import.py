@@ -404,10 +404,11 @@ def test_resolve_checks_the_checkpoint_fits_the_target(tmp_path):
             resolve(bare, num_layers=layers, hidden_size=64)
 
 
-def test_a_checkpoint_is_checked_at_composition_and_its_own_norms_decide_vllm(tmp_path):
-    """No target is built to refuse a checkpoint; whether vLLM can serve it is the checkpoint's matter,
-    not the drafter preset's."""
-    from lab.config import check_vllm_servable, compose
+def test_a_checkpoint_is_checked_before_any_target_and_its_own_norms_decide_vllm(tmp_path):
+    """No target is built to refuse a checkpoint (lab/preflight.py, which `lab run` and a study's check run
+    after composing); whether vLLM can serve it is the checkpoint's matter, not the drafter preset's."""
+    from lab.config import compose
+    from lab.preflight import check_checkpoint, check_vllm_servable
 
     overrides = ["target=micro", "data=micro", "train=quick", "eval=quick", f"cache_dir={tmp_path / 'cache'}"]
     layernorm = save_native(source(fc_norm="per_layer", norm_type="layernorm"), tmp_path / "ln")
@@ -418,7 +419,7 @@ def test_a_checkpoint_is_checked_at_composition_and_its_own_norms_decide_vllm(tm
     cfg.eval.backends = ["ref"]
     check_vllm_servable(cfg)
     with pytest.raises(ConfigError, match="drafter.checkpoint: .*nothing.*missing"):
-        compose([*overrides, f"drafter.checkpoint={tmp_path / 'nothing'}"])
+        check_checkpoint(compose([*overrides, f"drafter.checkpoint={tmp_path / 'nothing'}"]))
     assert not (tmp_path / "cache").exists()
 
 

@@ -56,7 +56,7 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
         assert f"drift/in_dist/k3/{key}" in metrics, key
     assert "eval/in_dist/rollout/acc" in metrics and "drift/fc_share" in metrics
     tags, params = run.data.tags, run.data.params
-    assert {"study", "arm", "seed", "git_commit", "config_hash"} <= set(tags)
+    assert {"study", "arm", "seed", "git_commit", "config_hash", "config_hash_scheme"} <= set(tags)
     assert tags["arm"] == "eagle31" and tags["study"] == "pipeline-test"
     assert params["drafter.fc_norm"] == "per_layer" and params["drafter.norm_output"] == "True"
     assert params["train.ttt_length"] == "3"

@@ -8,11 +8,10 @@ from helpers import small_drafter
 
 from lab.config import aux_layers
 from lab.data.suites import build_suite
-from lab.drafter import Eagle3Drafter
+from lab.drafter import Eagle3Drafter, init_drafter
 from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
 from lab.eval.reference import speculative_decode
 from lab.target import capture
-from lab.train.ttt import init_drafter
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import torch
 
 from lab.config import aux_layers
 from lab.data.suites import build_suite
+from lab.drafter import init_drafter
 from lab.eval.reference import DecodeStats, speculative_decode, target_decode
 from lab.eval.run import evaluate_suite
-from lab.train.ttt import init_drafter
 
 TOGGLES = list(itertools.product(["none", "per_layer", "concat"], [False, True], ["rmsnorm", "layernorm"]))
 

@@ -169,6 +169,7 @@ def test_backend_trains_the_drafters_own_weights(tmp_path):
     """`train.backend=torchspec` in our loop: TorchSpec's module shares the drafter's parameters, so the
     optimizer steps, the metrics and the trained weights are the drafter's, and they match the native
     backend's after a few steps (same data order and seed)."""
+    from lab.pipeline import training_loss  # the backend's loss, as `lab run` picks it
     from lab.train.torchspec import build_model
 
     drafter = _drafter("per_layer", True)
@@ -185,7 +186,16 @@ def test_backend_trains_the_drafters_own_weights(tmp_path):
         tcfg = OmegaConf.create({**base, "backend": backend, "steps": 4, "batch_size": 4, "log_every": 2})
         d = _drafter("per_layer", True)
         logs[backend] = []
-        train(d, data, lm_head, tcfg, seed=0, log=lambda m, s, b=backend: logs[b].append((s, m)), progress=False)
+        train(
+            d,
+            data,
+            lm_head,
+            tcfg,
+            seed=0,
+            log=lambda m, s, b=backend: logs[b].append((s, m)),
+            progress=False,
+            loss=training_loss(d, tcfg),
+        )
         trained[backend] = d.state_dict()
     assert [s for s, _ in logs["torchspec"]] == [2, 4]
     for (_, a), (_, b) in zip(logs["native"], logs["torchspec"], strict=True):

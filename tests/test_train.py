@@ -9,9 +9,10 @@ import torch
 
 from lab.config import aux_layers
 from lab.data.cache import HiddenStates
+from lab.drafter import init_drafter
 from lab.train import resume
 from lab.train.resume import Checkpointing
-from lab.train.ttt import init_drafter, simulated_acc_len, train, ttt_loss
+from lab.train.ttt import simulated_acc_len, train, ttt_loss
 
 
 def test_simulated_acc_len():

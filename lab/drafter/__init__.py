@@ -1,5 +1,6 @@
-"""The EAGLE-3 / 3.1 drafter and its checkpoint formats."""
+"""The EAGLE-3 / 3.1 drafter, its construction after a target and its checkpoint formats."""
 
+from lab.drafter.build import draft_vocabulary, drafter_spec, init_drafter
 from lab.drafter.formats import (
     CheckpointError,
     checkpoint_format,
@@ -18,6 +19,9 @@ __all__ = [
     "KVCache",
     "TTTCache",
     "checkpoint_format",
+    "draft_vocabulary",
+    "drafter_spec",
+    "init_drafter",
     "inspect_checkpoint",
     "load_checkpoint",
     "save_native",

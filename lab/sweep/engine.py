@@ -44,6 +44,7 @@ from lab.config import OPTUNA_DB_PREFIXES, ConfigError, compose, config_hash, re
 from lab.fsutil import file_lock
 from lab.pipeline import RunHooks
 from lab.pipeline import run as run_one
+from lab.preflight import check_checkpoint
 from lab.sweep.spec import PRUNE_METRIC, Sweep, changing_results
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial prints its own line
@@ -390,6 +391,7 @@ def _run_trial(
     trial.set_user_attr("worker", worker)
     trial.set_user_attr("arm", arm)
     cfg = compose(sweep.trial_overrides(params, seed, s.extra) + ([f"threads={threads}"] if threads else []))
+    check_checkpoint(cfg)  # compose does not read drafter.checkpoint; it may have changed since Sweep.check
 
     done = _finished_run(s, trial, cfg, arm)
     if done is not None:
@@ -489,6 +491,7 @@ def join(
 ) -> None:
     """`lab sweep worker`: work on a study another process started, from this or another machine."""
     cfg = compose(sweep.trial_overrides(sweep.base_point(), sweep.seeds[0], extra))
+    check_checkpoint(cfg)
     index = int(os.environ.get("LAB_WORKER_INDEX", os.getpid()))
     s = open_session(sweep, extra, cfg, create=False, worker_index=index)
     s.parent_run_id = s.user_attr("mlflow_parent_run_id", "")

@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 
 from lab.config import ConfigError, compose
 from lab.fsutil import short_hash
+from lab.preflight import check_checkpoint
 
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
 SAMPLERS = ("tpe", "random", "grid", "nsga2")
@@ -171,7 +172,9 @@ class Sweep:
 
     def check(self, extra: list[str]) -> DictConfig:
         """Compose every grid point (or both ends of every range) with every override before anything
-        runs, and check that each objective is a metric the runs log. Returns the first config."""
+        runs, check its drafter.checkpoint (lab/preflight.py; not whether vLLM can serve it: a study tags
+        such an arm `vllm_skipped`), and check that each objective is a metric the runs log. Returns the
+        first config."""
         swept = {p.name for p in self.space if p.kind != "bundle"}
         for o in extra:
             key = o.split("=", 1)[0].lstrip("+~")
@@ -187,6 +190,7 @@ class Sweep:
         for params in probes:
             try:
                 cfg = compose(self.trial_overrides(params, self.seeds[0], extra))
+                check_checkpoint(cfg)
             except ConfigError as exc:
                 raise blame(exc, f"{self.source} point '{self.label(params)}'") from None
             first = first or cfg

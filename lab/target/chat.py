@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lab.config import TEMPLATE_NAMES
+
 
 @dataclass(frozen=True)
 class ChatTemplate:
@@ -73,6 +75,9 @@ TEMPLATES: dict[str, ChatTemplate] = {
         ChatTemplate("user_assistant", user="User: {content}\n", assistant="Assistant: {content}\n", system=None),
     )
 }
+if tuple(TEMPLATES) != TEMPLATE_NAMES:  # validation (lab/config.py) knows the templates by name only
+    raise ImportError(f"lab.config.TEMPLATE_NAMES must name these templates, in this order: {tuple(TEMPLATES)}")
+
 # The templates of the tiny targets' corpus (lab/target/build.py): a built target knows all of these and no
 # other, so its cache key stays valid when a template is added above.
 CORPUS_TEMPLATES = ("chatml", "llama3", "plain", "markdown", "gemma", "mistral", "phi3", "vicuna")

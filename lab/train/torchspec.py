@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from lab.drafter import Eagle3Drafter
 from lab.drafter.formats import native_config
-from lab.train.ttt import StepStats
+from lab.train.step import StepStats
 
 
 def provenance() -> dict[str, str]:

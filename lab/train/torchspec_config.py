@@ -3,7 +3,7 @@
 Writes `train.yaml` (read by `python -m torchspec.train_entry --config train.yaml`) and `draft_model.json`
 (TorchSpec's `model.draft_model_config`, a native `LlamaForCausalLMEagle3` config) for the same drafter
 toggles, TTT length, loss weights, learning rate and schedule as the workbench's trainer, shaped after the
-target as `lab.train.ttt.init_drafter` shapes it, without loading or training the target.
+target as `lab.drafter.init_drafter` shapes it, without loading or training the target.
 
 Numbering: our `drafter.aux_layers` are vLLM ids (id i = the residual stream after i decoder layers);
 TorchSpec's `inference.aux_hidden_states_layers` hook the output of decoder layer N (0-based), so its id is
@@ -25,8 +25,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from lab.config import ConfigError, TargetKind, aux_layers, check_torchspec_drafter, config_hash, redact
+from lab.drafter import drafter_spec
 from lab.drafter.model import DrafterSpec
-from lab.train.ttt import drafter_spec
 
 TRAIN_YAML = "train.yaml"
 DRAFT_JSON = "draft_model.json"

@@ -22,78 +22,14 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from lab.data.cache import HiddenStates
-from lab.drafter import DrafterSpec, Eagle3Drafter
+from lab.drafter import Eagle3Drafter
 from lab.schedule import warmup_cosine
-from lab.target import Target, target_logits
+from lab.target import target_logits
 from lab.train.resume import Checkpointing, StopRequest, TrainState
 from lab.train.resume import save as save_state
+from lab.train.step import LossFn, StepStats
 
 MetricsFn = Callable[[dict[str, float], int], None]
-
-
-def draft_vocabulary(token_counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` most frequent target ids (ties to the lower id), ascending: EAGLE-3's draft vocab."""
-    order = torch.sort(token_counts, descending=True, stable=True).indices
-    return order[:size].sort().values
-
-
-def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> DrafterSpec:
-    """The drafter shaped after a target with transformers config `model_config`: its width, heads and
-    MLP; a `draft_vocab_size` at or above the target's vocabulary means the full vocabulary."""
-    tc = model_config
-    heads = tc.num_attention_heads
-    draft_vocab = dcfg.draft_vocab_size if dcfg.draft_vocab_size and dcfg.draft_vocab_size < tc.vocab_size else None
-    return DrafterSpec(
-        hidden_size=tc.hidden_size,
-        target_hidden_size=tc.hidden_size,
-        aux_layer_ids=list(aux_layers),
-        vocab_size=tc.vocab_size,
-        draft_vocab_size=draft_vocab,
-        num_heads=heads,
-        num_kv_heads=getattr(tc, "num_key_value_heads", heads),
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-        intermediate_size=tc.intermediate_size,
-        num_layers=dcfg.num_layers,
-        max_position_embeddings=tc.max_position_embeddings,
-        rope_theta=_rope_theta(tc),
-        rms_norm_eps=dcfg.rms_norm_eps,
-        fc_norm=str(getattr(dcfg.fc_norm, "value", dcfg.fc_norm)),
-        norm_output=bool(dcfg.norm_output),
-        norm_type=str(getattr(dcfg.norm_type, "value", dcfg.norm_type)),
-    )
-
-
-def init_drafter(
-    target: Target, dcfg: DictConfig, aux_layers: list[int], seed: int, token_counts: torch.Tensor | None = None
-) -> Eagle3Drafter:
-    """A fresh drafter shaped after the target (`drafter_spec`); embedding copied and frozen; with a
-    smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V]."""
-    spec = drafter_spec(target.model.config, dcfg, aux_layers)
-    draft_vocab = spec.draft_vocab_size if spec.draft_vocab_size != spec.vocab_size else None
-    if draft_vocab and token_counts is None:
-        raise ValueError("drafter.draft_vocab_size: a smaller draft vocabulary needs the training data's token counts")
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(spec)
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.embed_weight)
-        if draft_vocab:
-            ids = draft_vocabulary(token_counts, draft_vocab)
-            drafter.d2t.copy_(ids - torch.arange(draft_vocab))
-        if dcfg.init_lm_head_from_target:
-            drafter.lm_head.weight.copy_(target.lm_head_weight[drafter.draft_token_ids()])
-    return drafter
-
-
-def _rope_theta(model_config) -> float:
-    params = getattr(model_config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
-
-
-@dataclass
-class StepStats:
-    loss: torch.Tensor  # weighted sum over steps (differentiable)
-    plosses: list[float]
-    accs: list[float]
 
 
 def ttt_loss(
@@ -155,16 +91,6 @@ def ttt_loss(
     return StepStats(loss, plosses, accs)
 
 
-def loss_function(drafter: Eagle3Drafter, tcfg: DictConfig) -> Callable[..., StepStats]:
-    """`ttt_loss` bound to `drafter`, computed by the configured backend: ours, or TorchSpec's
-    drafter and loss over the same weights (lab/train/torchspec.py)."""
-    if tcfg.backend == "torchspec":
-        from lab.train.torchspec import TorchSpecTTT
-
-        return TorchSpecTTT.for_drafter(drafter, tcfg.ttt_length).loss
-    return functools.partial(ttt_loss, drafter)
-
-
 HOLD_ENV = "LAB_HOLD_AFTER_STEP"  # "N:FILE": after step N, touch FILE and wait for Ctrl-C
 
 
@@ -206,13 +132,20 @@ def train(
     progress: bool = True,
     checkpoint: Checkpointing | None = None,
     resume: TrainState | None = None,
+    loss: LossFn | None = None,
 ) -> TrainResult:
     """Train in place; `log(metrics, step)` receives the averaged metrics every `log_every` steps.
+
+    `loss` computes a batch's TTT loss for `drafter` (`lab.train.step.LossFn`): the caller picks the
+    backend, e.g. `TorchSpecTTT.for_drafter(drafter, ttt_length).loss` for `train.backend=torchspec`
+    (lab/pipeline.py `training_loss`); None is the native `ttt_loss`, for `train.backend=native` only.
 
     With `checkpoint`, a resume checkpoint is written every `checkpoint.every` steps and after the last,
     and Ctrl-C stops after the current step with a checkpoint. With `resume` (such a checkpoint, of the
     same training), training continues from its step and ends with the weights an uninterrupted run
     would have, bit for bit (same thread count); the metrics it logged are sent to `log` again first."""
+    if loss is None and tcfg.backend != "native":
+        raise ValueError(f"train.backend={tcfg.backend}: pass its loss (`loss=`); only the native one is the default")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay)
     gen = torch.Generator().manual_seed(seed)
@@ -234,7 +167,7 @@ def train(
             if log is not None:
                 log(metrics, step)
             last = metrics
-    batch_loss = loss_function(drafter, tcfg)
+    batch_loss = loss if loss is not None else functools.partial(ttt_loss, drafter)
     drafter.train()
     window_tokens, window_start = 0, time.time()
     started = time.time()

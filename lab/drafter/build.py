@@ -1,0 +1,90 @@
+"""A fresh drafter shaped after its target: the spec from the target's transformers config, the draft
+vocabulary from the training data's token counts, the embedding (and lm_head) from the target's weights.
+
+It reads the target only through what `Target` exposes (`model.config`, `embed_weight`,
+`lm_head_weight`), so the drafter package stays below the target stage (docs/design.md, "Import rules").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from omegaconf import DictConfig
+
+from lab.drafter.model import DrafterSpec, Eagle3Drafter
+
+
+class TargetWeights(Protocol):
+    """What `init_drafter` reads of a target (`lab.target.Target` has it)."""
+
+    @property
+    def model(self) -> Any: ...  # a transformers causal LM: its `config` shapes the drafter
+
+    @property
+    def embed_weight(self) -> torch.Tensor: ...
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+
+def draft_vocabulary(token_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids (ties to the lower id), ascending: EAGLE-3's draft vocab."""
+    order = torch.sort(token_counts, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> DrafterSpec:
+    """The drafter shaped after a target with transformers config `model_config`: its width, heads and
+    MLP; a `draft_vocab_size` at or above the target's vocabulary means the full vocabulary."""
+    tc = model_config
+    heads = tc.num_attention_heads
+    draft_vocab = dcfg.draft_vocab_size if dcfg.draft_vocab_size and dcfg.draft_vocab_size < tc.vocab_size else None
+    return DrafterSpec(
+        hidden_size=tc.hidden_size,
+        target_hidden_size=tc.hidden_size,
+        aux_layer_ids=list(aux_layers),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=draft_vocab,
+        num_heads=heads,
+        num_kv_heads=getattr(tc, "num_key_value_heads", heads),
+        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        intermediate_size=tc.intermediate_size,
+        num_layers=dcfg.num_layers,
+        max_position_embeddings=tc.max_position_embeddings,
+        rope_theta=_rope_theta(tc),
+        rms_norm_eps=dcfg.rms_norm_eps,
+        fc_norm=str(getattr(dcfg.fc_norm, "value", dcfg.fc_norm)),
+        norm_output=bool(dcfg.norm_output),
+        norm_type=str(getattr(dcfg.norm_type, "value", dcfg.norm_type)),
+    )
+
+
+def init_drafter(
+    target: TargetWeights,
+    dcfg: DictConfig,
+    aux_layers: list[int],
+    seed: int,
+    token_counts: torch.Tensor | None = None,
+) -> Eagle3Drafter:
+    """A fresh drafter shaped after the target (`drafter_spec`); embedding copied and frozen; with a
+    smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V]."""
+    spec = drafter_spec(target.model.config, dcfg, aux_layers)
+    draft_vocab = spec.draft_vocab_size if spec.draft_vocab_size != spec.vocab_size else None
+    if draft_vocab and token_counts is None:
+        raise ValueError("drafter.draft_vocab_size: a smaller draft vocabulary needs the training data's token counts")
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(spec)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.embed_weight)
+        if draft_vocab:
+            ids = draft_vocabulary(token_counts, draft_vocab)
+            drafter.d2t.copy_(ids - torch.arange(draft_vocab))
+        if dcfg.init_lm_head_from_target:
+            drafter.lm_head.weight.copy_(target.lm_head_weight[drafter.draft_token_ids()])
+    return drafter
+
+
+def _rope_theta(model_config) -> float:
+    params = getattr(model_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(model_config, "rope_theta", 10000.0)))
