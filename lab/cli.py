@@ -30,10 +30,17 @@ EPILOG = """examples:
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
   lab export torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
-config groups: target data drafter train eval suite tracking (see configs/); any key: group.key=value
-experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness (see experiments/)
-sweeps: see sweeps/ (toggles_grid, tpe_eagle3, tpe_eagle31, pareto_al_drift)
+config groups: target data drafter train eval suite tracking profile (see configs/); any key: group.key=value
+experiments (experiments/): {experiments}
+sweeps (sweeps/): {sweeps}
 """
+
+
+def _studies() -> dict[str, str]:
+    """The experiments and sweeps there are, for the help texts (read from their folders, not listed here)."""
+    from lab.sweep import experiment, spec
+
+    return {"experiments": " ".join(experiment.available()), "sweeps": " ".join(spec.available())}
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -465,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lab",
         description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG,
+        epilog=EPILOG.format(**_studies()),
     )
     sub = p.add_subparsers(dest="verb", required=True)
     import textwrap
@@ -500,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child "
         "MLflow runs of one parent run, then the tables and reports/NAME/report.md. Rerunning the same command "
         "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.",
-        epilog="experiments: drift_2x2 norm_type depth_extrapolation long_context template_robustness\n"
+        epilog=f"experiments: {_studies()['experiments']}\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
         "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
         "  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
@@ -516,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
         "run and reports its objective(s). Rerunning continues the same study. `lab sweep worker sweep=NAME` "
         "joins a running study from another process or machine (same storage, same overrides). The storage "
         "is a journal file beside the MLflow database, or tracking.optuna_storage=URL (e.g. PostgreSQL).",
-        epilog="examples:\n  lab sweep sweep=toggles_grid --workers 2 target=micro data=micro train=quick eval=quick\n"
+        epilog=f"sweeps: {_studies()['sweeps']}\n"
+        "examples:\n  lab sweep sweep=toggles_grid --workers 2 target=micro data=micro train=quick eval=quick\n"
         "  lab sweep sweep=tpe_eagle31 --trials 40\n"
         "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna",
         formatter_class=argparse.RawDescriptionHelpFormatter,

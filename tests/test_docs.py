@@ -96,3 +96,16 @@ def test_the_readme_sweep_example_is_the_one_documented():
         return path.read_text().split("```yaml\n", 1)[1].split("```", 1)[0]
 
     assert first_yaml(README) == first_yaml(DOCS / "experiments.md")
+
+
+def test_help_names_every_experiment_and_sweep():
+    """`lab --help` lists the studies from their folders: a new experiments/ or sweeps/ file shows up."""
+    import subprocess
+    import sys
+
+    said = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for folder in ("experiments", "sweeps"):
+        names = sorted(p.stem for p in (ROOT / folder).glob("*.yaml"))
+        assert names and f"{folder} ({folder}/): {' '.join(names)}" in said
