@@ -241,3 +241,17 @@ def test_a_suite_logged_by_two_workers_at_once_is_recorded_once_in_each_run(tmp_
     assert len(calls) == 2
     inputs = MlflowClient(uri).get_run(second.id).inputs.dataset_inputs
     assert [d.dataset.name for d in inputs] == ["in_dist"]
+
+
+def test_a_quote_in_a_study_name_cannot_break_a_store_query(tmp_path):
+    """MLflow filters are built with the value quoted so that it cannot end its string: a sweep named with a
+    quote finds its own parent run, and one crafted to widen the query finds nothing."""
+    uri, root = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
+    for sweep in ("it's", "plain"):
+        with track.parent_run(uri, root, "quotes", f"sweep-{sweep}", key=sweep, tags={"sweep": sweep}):
+            pass
+    (found,) = track.study_parents(uri, "quotes", "it's")
+    assert found.data.tags["sweep"] == "it's"
+    assert track.study_parents(uri, "quotes", "x' or tags.sweep = 'plain") == []
+    with pytest.raises(ValueError, match="both kinds of quotes"):
+        track.study_parents(uri, "quotes", "a'b\"c")

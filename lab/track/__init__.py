@@ -205,7 +205,7 @@ def parent_run(
     configure(uri)
     exp_id = ensure_experiment(experiment, artifact_root)
     found = MlflowClient().search_runs(
-        [exp_id], filter_string=f"tags.`lab.role` = 'parent' and tags.`lab.study_key` = '{key}'", max_results=1
+        [exp_id], filter_string=f"tags.`lab.role` = 'parent' and {_equals('tags.`lab.study_key`', key)}", max_results=1
     )
     all_tags = {**{k: str(v) for k, v in tags.items()}, "lab.role": "parent", "lab.study_key": key}
     if found:
@@ -217,14 +217,24 @@ def parent_run(
         yield run
 
 
+def _equals(field: str, value: str) -> str:
+    """An MLflow filter clause `field = value`, quoted so that the value cannot end its string early."""
+    value = str(value)
+    if "'" not in value:
+        return f"{field} = '{value}'"
+    if '"' not in value:
+        return f'{field} = "{value}"'
+    raise ValueError(f"{field}: {value!r} has both kinds of quotes, which an MLflow filter cannot hold")
+
+
 def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[Any]:
     """Runs nested under `parent_run_id` (optionally only those with `status`, e.g. FINISHED)."""
     configure(uri)
     client = MlflowClient()
     parent = client.get_run(parent_run_id)
-    query = f"tags.`mlflow.parentRunId` = '{parent_run_id}'"
+    query = _equals("tags.`mlflow.parentRunId`", parent_run_id)
     if status:
-        query += f" and attributes.status = '{status}'"
+        query += f" and {_equals('attributes.status', status)}"
     return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
 
 
@@ -239,7 +249,7 @@ def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    query = f"tags.`lab.role` = 'parent' and tags.sweep = '{sweep}'"
+    query = f"tags.`lab.role` = 'parent' and {_equals('tags.sweep', sweep)}"
     return client.search_runs([exp.experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
 
 
