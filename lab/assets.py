@@ -129,3 +129,19 @@ def _record_hashes(zf: zipfile.ZipFile) -> dict[str, str]:
 def _urlsafe_sha256(path: Path) -> str:
     """sha256 as a wheel's RECORD writes it (urlsafe base64, unpadded)."""
     return base64.urlsafe_b64encode(bytes.fromhex(sha256_file(path))).rstrip(b"=").decode()
+
+
+def check_gguf_file(path: str | Path) -> Path:
+    """`path` (the user's `target.path`) as a readable GGUF file, else ConfigError naming target.path. Light (numpy
+    and gguf's reader, no torch): `lab run` checks it before anything heavy loads, the target stage again."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("target.path", f"'{path}' is not a file (expected a .gguf model file)")
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as exc:  # gguf's reader raises bare ValueErrors, KeyErrors, struct errors on a bad file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError("target.path", f"'{path}' is not a readable GGUF model ({first})") from None
+    return path

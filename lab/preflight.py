@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from lab.assets import check_gguf_file
 from lab.config import TARGET_TEMPLATE, ConfigError, DataSource, FcNorm, NormType, TargetKind
 
 SAMPLE = [
@@ -62,8 +63,10 @@ def check_vllm_servable(cfg: DictConfig) -> None:
 
 
 def check_files(cfg: DictConfig) -> None:
-    """The user's conversations (data.source=jsonl) parse, and the target tokenizer's own chat template
-    (data.template=target) masks the assistant's turns."""
+    """The user's GGUF file reads, the user's conversations (data.source=jsonl) parse, and the target
+    tokenizer's own chat template (data.template=target) masks the assistant's turns."""
+    if cfg.target.kind == TargetKind.gguf and cfg.target.path:
+        check_gguf_file(cfg.target.path)
     if cfg.data.source == DataSource.jsonl:
         from lab.data.conversations import read_jsonl
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from lab.assets import asset_file
+from lab.assets import asset_file, check_gguf_file
 from lab.config import ConfigError
 from lab.fsutil import file_lock, sha256_file, staging_dir
 
@@ -34,10 +34,7 @@ SHAPE_KEYS = {
 def gguf_file(tcfg: DictConfig, cache_dir: str | Path) -> Path:
     """The GGUF file: `target.path`, or the pinned wheel `target.asset` read out into the cache."""
     if tcfg.path:
-        path = Path(tcfg.path)
-        if not path.is_file():
-            raise ConfigError("target.path", f"'{path}' is not a file (expected a .gguf model file)")
-        return path
+        return check_gguf_file(tcfg.path)
     if not tcfg.asset:
         raise ConfigError("target.asset", "required for target.kind=gguf without target.path (a pinned wheel)")
     return asset_file(tcfg.asset, "gguf", cache_dir)
@@ -45,8 +42,7 @@ def gguf_file(tcfg: DictConfig, cache_dir: str | Path) -> Path:
 
 def convert(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Path:
     """The cached folder `{cache_dir}/targets/{name}-{sha12}` (its model in `model/`), converted on first use."""
-    source = gguf_file(tcfg, cache_dir)
-    _check_readable(source)  # a broken file fails here, before a cache folder or lock exists
+    source = gguf_file(tcfg, cache_dir)  # a broken file fails here, before a cache folder or lock exists
     digest = sha256_file(source)
     final = Path(cache_dir) / "targets" / f"{tcfg.name}-{digest[:12]}"
     if not (final / BUILD_INFO).is_file():
@@ -55,16 +51,6 @@ def convert(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> P
                 _convert(source, digest, final, progress)
     check_shape(tcfg, json.loads((final / "model" / "config.json").read_text()))
     return final
-
-
-def _check_readable(source: Path) -> None:
-    from gguf import GGUFReader
-
-    try:
-        GGUFReader(source)
-    except Exception as exc:  # gguf's reader raises bare ValueErrors, KeyErrors, struct errors on a bad file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError("target.path", f"'{source}' is not a readable GGUF model ({first})") from None
 
 
 def _convert(source: Path, digest: str, final: Path, progress: bool) -> None:
