@@ -44,7 +44,7 @@ from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_nativ
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
-from lab.eval.run import evaluate_suite, heldout_metrics
+from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
 from lab.fsutil import claim
 from lab.target import load as load_target
 from lab.train import resume
@@ -184,7 +184,7 @@ def run(
                 continue
             stage(f"eval {suite.name}")
             suite_started = time.time()
-            suite_metrics = evaluate_suite(
+            evaluated = evaluate_suite_prompts(
                 target.model,
                 drafter,
                 suite,
@@ -196,16 +196,19 @@ def run(
                 seed=cfg.seed,
             )
             seconds[f"eval_{suite.name}"] = time.time() - suite_started  # every k of the suite, and its baseline
-            mlrun.log_curves(suite_metrics)  # as each suite finishes: a later failure keeps them
-            metrics.update(suite_metrics)
+            mlrun.log_curves(evaluated.metrics)  # as each suite finishes: a later failure keeps them
+            mlrun.log_dict(evaluated.per_prompt, f"per_prompt/{suite.name}.json")  # the report's paired bootstrap
+            metrics.update(evaluated.metrics)
         if "vllm" in e.backends:
             stage("eval vllm")
             metrics.update(_evaluate_vllm(cfg, mlrun, target, drafter, suites, progress))
         stage("rollout")
-        final = heldout_metrics(target, drafter, heldout, rollout_depth(cfg))
+        rollout = heldout_evaluation(target, drafter, heldout, rollout_depth(cfg), seed=cfg.seed)
+        final = dict(rollout.metrics)
         seconds["eval"] = time.time() - t0
         final.update({f"time/{k}_s": v for k, v in seconds.items()})
         mlrun.log_curves(final)
+        mlrun.log_dict(rollout.per_prompt, "per_prompt/rollout.json")
         metrics.update(final)
         return RunResult(mlrun.id, metrics, seconds)
 

@@ -65,8 +65,9 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_pa
     rep = report.write(study, [], tmp_path / "report", "lab report experiment=tiny")
     table = rep.main_table()
     assert table.count("| E31 | 2 |") == 1 and "| E3 | 2 |" in table  # n = 2 seeds per arm
-    assert "(+" in table or "(-" in table  # the change against the baseline
-    assert [t.name for t in rep.tables] == ["al", "acceptance", "drift"]
+    assert "× [" in table  # the ratio to the baseline, with its paired bootstrap interval
+    assert "over 2 prompts × 2 seeds per cell" in table  # eval.num_prompts=2, seeds 0 and 1
+    assert [t.name for t in rep.tables] == ["al", "acceptance", "drift", "rollout"]
     assert {f.name for f in rep.figures} >= {"al_vs_depth", "accept_rate", "sink_self_mass", "norm_growth"}
     again = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
     assert again.parent_run_id == first.parent_run_id

@@ -68,7 +68,19 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     assert len(rollout) == 3 * 3  # 3 x train.ttt_length, beyond the training depth
     assert len(client.get_metric_history(run_id, "drift/fc_share")) == 3  # one per captured layer
     artifacts = {a.path for a in client.list_artifacts(run_id)}
-    assert {"checkpoint", "config.yaml"} <= artifacts
+    assert {"checkpoint", "config.yaml", "per_prompt"} <= artifacts
+    per_prompt = {a.path for a in client.list_artifacts(run_id, "per_prompt")}
+    assert per_prompt == {"per_prompt/in_dist.json", "per_prompt/rollout.json"}
+    # the per-prompt records pool back to the logged metrics (the report's paired bootstrap reads them)
+    from lab.report import paired
+
+    records = mlflow.artifacts.load_dict(f"runs:/{run_id}/per_prompt/in_dist.json")
+    al = paired.pooled(paired.al_counts(records, 3), paired.acceptance_length)
+    assert al == pytest.approx(metrics["eval/in_dist/ref/k3/al"], rel=1e-12)
+    sequences = mlflow.artifacts.load_dict(f"runs:/{run_id}/per_prompt/rollout.json")
+    accs = [m.value for m in sorted(rollout, key=lambda m: m.step)]
+    pooled = [paired.pooled(paired.rollout_counts(sequences, d), paired.accuracy) for d in range(1, len(accs) + 1)]
+    assert pooled == pytest.approx(accs, rel=1e-6)
     ckpt = {a.path for a in client.list_artifacts(run_id, "checkpoint")}
     assert {"checkpoint/config.json", "checkpoint/model.safetensors"} <= ckpt
 

@@ -114,3 +114,72 @@ def test_speculative_sampling_matches_the_target_distribution(micro_cfg, micro_t
     assert _chi2_pvalue(counts, marginal) > 1e-3
     # the same test rejects a sampler that ignores the residual (samples x1 from the drafter-free p0)
     assert _chi2_pvalue(counts, p0) < 1e-6
+
+
+def test_per_prompt_records_pool_back_to_the_logged_metrics():
+    """The per_prompt/{suite}.json and per_prompt/rollout.json documents: the report's pooling of their
+    counts (lab/report/paired.py) gives back every logged AL, norm growth and rollout accuracy. A random
+    4-layer Llama and a random drafter, sampled at temperature 1 (near-uniform: many drafts accepted)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from helpers import small_drafter
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lab.data.suites import Suite
+    from lab.data.text import Sequences
+    from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
+    from lab.report import paired
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    drafter = small_drafter(0)
+    prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7, 10)]
+    suite = Suite("mix", prompts, ["a", "b", "a", "b"], max_new_tokens=12)
+    ks = [2, 3]
+    result = evaluate_suite_prompts(model, drafter, suite, ks, progress=False, probes=True, temperature=1.0, seed=3)
+    doc = result.per_prompt
+    assert [(p["index"], p["variant"]) for p in doc["prompts"]] == [(0, "a"), (1, "b"), (2, "a"), (3, "b")]
+    assert len({p["id"] for p in doc["prompts"]}) == 4 and doc["ks"] == ks and doc["seed"] == 3
+    m = result.metrics
+    for k in ks:
+        counts = paired.al_counts(doc, k)
+        assert paired.pooled(counts, paired.acceptance_length) == m[f"eval/mix/ref/k{k}/al"]
+        assert sum(c[0] for c in counts.values()) > 0  # something was accepted: the check is not 1 == 1
+        growth = paired.pooled(paired.norm_growth_counts(doc, k, k), paired.norm_growth)
+        assert growth == pytest.approx(m[f"drift/mix/k{k}/norm_growth"][k - 1], rel=1e-12)
+        rates = np.sum([p["k"][str(k)]["accepted_at"] for p in doc["prompts"]], axis=0)
+        rounds = sum(p["k"][str(k)]["rounds"] for p in doc["prompts"])
+        assert (rates / rounds).tolist() == pytest.approx(m[f"eval/mix/ref/k{k}/accept_rate"], rel=1e-12)
+    # the same metrics as evaluate_suite's, but for the timings
+    again = evaluate_suite(model, drafter, suite, ks, progress=False, probes=True, temperature=1.0, seed=3)
+    timed = ("tokens_per_s", "speedup")
+    assert {k: v for k, v in again.items() if not k.endswith(timed)} == {
+        k: v for k, v in m.items() if not k.endswith(timed)
+    }
+
+    ids = torch.randint(0, 100, (5, 24))
+    mask = (torch.rand(5, 24) > 0.3).long()
+    target = SimpleNamespace(model=model, lm_head_weight=model.get_output_embeddings().weight)
+    held = heldout_evaluation(target, drafter, Sequences(ids, mask), depth=6, seed=3)
+    rollout = held.per_prompt
+    assert rollout["metric"] == "eval/in_dist/rollout/acc" and len(rollout["sequences"]) == 5
+    accs = held.metrics["eval/in_dist/rollout/acc"]
+    assert [paired.pooled(paired.rollout_counts(rollout, d), paired.accuracy) for d in range(1, 7)] == pytest.approx(
+        accs, rel=1e-6
+    )
+    assert accs == heldout_metrics_of(target, drafter, Sequences(ids, mask))
+
+
+def heldout_metrics_of(target, drafter, heldout) -> list[float]:
+    """The rollout accuracy as `rollout_accuracy` computes it over the whole batch."""
+    from lab.eval.probes import rollout_accuracy
+    from lab.target import capture, target_logits
+
+    cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)
+    top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
+    return rollout_accuracy(drafter, heldout.input_ids, cap.aux, top, 6, heldout.loss_mask)

@@ -1,7 +1,10 @@
 """`lab report` from MLflow alone: a study written into a real MLflow store (the engine's tags and the
-pipeline's metric keys, values chosen so the expected table is known) gives the expected tables in
-Markdown, LaTeX and CSV, byte-identical on a second run, the figures as PNG and PDF, report.md with the
-provenance, and footnotes for runs that failed or were pruned and for missing seeds and arms."""
+pipeline's metric keys and per-prompt records, values chosen so the expected table is known) gives the
+expected tables in Markdown, LaTeX and CSV, byte-identical on a second run, the figures as PNG and PDF,
+report.md with the provenance, and footnotes for runs that failed or were pruned and for missing seeds and
+arms. The paired bootstrap of arm against baseline (lab/report/paired.py) on planted records: a known ratio
+inside its interval, an arm equal to the baseline never bold, a clearly better one bold, and runs without
+records reported without intervals, saying so."""
 
 from __future__ import annotations
 
@@ -9,12 +12,15 @@ import contextlib
 import csv
 import io
 import json
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lab import report, track
 from lab.cli import main
+from lab.report import paired
 from lab.report.figures import FIGURES, draw
 from lab.report.tables import latex_escape
 from lab.sweep import experiment
@@ -22,6 +28,42 @@ from lab.sweep import experiment
 SUITES = ["in_dist", "template"]
 KS = [3, 8]
 ARMS = {"eagle3": 0.0, "fc_norm": 0.4, "norm_output": -0.2, "eagle31": 0.6}  # AL offset per arm
+PROMPTS, SEQUENCES, ROUNDS, COUNTED = 40, 24, 20, 50
+
+
+def _zero_sum(rng: random.Random, n: int, scale: float) -> list[float]:
+    """n noise values of about `scale` that sum to 0: per-prompt values that pool back to a planted mean."""
+    x = [rng.uniform(-scale, scale) for _ in range(n)]
+    return [v - sum(x) / n for v in x]
+
+
+def _suite_records(al: dict[int, float], growth: dict[int, list[float]], seed: int, noise: random.Random) -> dict:
+    """A per_prompt/{suite}.json document whose prompts pool to AL `al[k]` and norm growth curve `growth[k]`:
+    each prompt drafts ROUNDS rounds; its AL is the planted one plus the prompt's difficulty (shared by every
+    arm of the seed) plus the arm's own noise, both summing to 0 over the prompts."""
+    shared = _zero_sum(random.Random(seed), PROMPTS, 0.3)
+    prompts = [{"index": i, "id": f"p{i:03d}", "variant": "", "k": {}} for i in range(PROMPTS)]
+    for k, mean in al.items():
+        own = _zero_sum(noise, PROMPTS, 0.05)
+        wobble = _zero_sum(noise, PROMPTS, 0.01)
+        for i, p in enumerate(prompts):
+            accepted = (mean - 1 + shared[i] + own[i]) * ROUNDS
+            fb = [ROUNDS * (g + (wobble[i] if j else 0.0)) for j, g in enumerate(growth[k])]
+            drift = {"sink": [0.0] * k, "self": [0.0] * k, "feedback_rms": fb, "count": [ROUNDS] * k}
+            p["k"][str(k)] = {"rounds": ROUNDS, "accepted": accepted, "accepted_at": [0] * k, "drift": drift}
+    return {"format": 1, "suite": "", "seed": seed, "ks": sorted(al), "prompts": prompts}
+
+
+def _rollout_records(acc: list[float], seed: int, noise: random.Random) -> dict:
+    """A per_prompt/rollout.json document whose sequences pool to the accuracy curve `acc`."""
+    shared = _zero_sum(random.Random(100 + seed), SEQUENCES, 0.1)
+    own = _zero_sum(noise, SEQUENCES, 0.02)
+    sequences = [
+        {"index": i, "id": f"s{i:03d}", "hits": [(a + shared[i] + own[i]) * COUNTED for a in acc]}
+        | {"counted": [COUNTED] * len(acc)}
+        for i in range(SEQUENCES)
+    ]
+    return {"format": 1, "metric": "eval/in_dist/rollout/acc", "seed": seed, "depth": len(acc), "sequences": sequences}
 
 
 def _log_run(uri: str, art: str, parent: str, arm: str, seed: int, fail: str = "") -> None:
@@ -45,10 +87,16 @@ def _log_run(uri: str, art: str, parent: str, arm: str, seed: int, fail: str = "
         metrics[f"eval/in_dist/vllm/k3/c{c}/speedup"] = 1.2 + ARMS[arm] - 0.1 * c / 4 + 0.01 * seed
     tags["trial_state"] = {"PRUNED": "PRUNED", "FAILED": "FAIL"}.get(fail, "COMPLETE")
     raised = {"PRUNED": track.RunStopped, "FAILED": RuntimeError}.get(fail)
+    noise = random.Random(f"{arm}-{seed}")
     with pytest.raises(raised) if raised else contextlib.nullcontext():
         with track.start_run(uri, art, "drift_2x2", f"{arm}-{seed}", tags, parent_run_id=parent) as run:
             run.log_params(params)
             run.log_curves(metrics)
+            for s in SUITES:
+                al = {k: metrics[f"eval/{s}/ref/k{k}/al"] for k in KS}
+                growth = {k: metrics[f"drift/{s}/k{k}/norm_growth"] for k in KS}
+                run.log_dict(_suite_records(al, growth, seed, noise), f"per_prompt/{s}.json")
+            run.log_dict(_rollout_records(metrics["eval/in_dist/rollout/acc"], seed, noise), "per_prompt/rollout.json")
             if fail == "PRUNED":
                 raise track.RunStopped("pruned by Optuna at step 10")
             if fail == "FAILED":
@@ -85,14 +133,18 @@ def test_report_tables_figures_and_provenance(store, tmp_path, capsys):
     printed = _report(store, tmp_path / "a", capsys)
     tables, figures = tmp_path / "a" / "tables", tmp_path / "a" / "figures"
     assert sorted(p.name for p in tables.iterdir()) == [
-        f"{t}.{ext}" for t in ("acceptance", "al", "drift") for ext in ("csv", "md", "tex")
+        f"{t}.{ext}" for t in ("acceptance", "al", "drift", "rollout") for ext in ("csv", "md", "tex")
     ]
     al = (tables / "al.md").read_text()
-    # EAGLE-3 in_dist k=3: seeds 2.0 and 2.1; + FC norm 2.4 and 2.5 (+19.5%), the best of its column
+    # EAGLE-3 in_dist k=3: seeds 2.0 and 2.1; + FC norm 2.4 and 2.5: 1.195 x, its interval well above 1 (bold)
     assert "| EAGLE-3 | 2 | 2.050 ± 0.071 |" in al
-    assert "| + FC norm | 2 | 2.450 ± 0.071 (+19.5%) |" in al
-    # EAGLE 3.1 has seed 0 only: the best mean of every column, n = 1
-    assert "| EAGLE 3.1 | 1 | **2.600 ± 0.000** (+26.8%) |" in al
+    assert "| + FC norm | 2 | 2.450 ± 0.071 (**1.195× [1.18" in al
+    assert "| + post-norm feedback | 2 | 1.850 ± 0.071 (**0.902× [0.89" in al  # worse is marked too
+    # EAGLE 3.1 has seed 0 only: paired with the baseline's seed 0 (2.6 / 2.0), n = 1, one seed behind it
+    assert "| EAGLE 3.1 | 1 | 2.600 ± 0.000 (**1.300× [1.2" in al and ", 40 prompts × 1 seed) |" in al
+    assert "Ratio: the arm's mean over seeds divided by EAGLE-3's" in al
+    assert "95% paired bootstrap interval (2000 resamples, seed 12345;" in al
+    assert "over 40 prompts × 2 seeds per cell unless the cell says otherwise. Bold: the interval excludes 1." in al
     assert "Missing: arm EAGLE 3.1 (eagle31) lacks seed 1." in al
     assert "Left out: 1 failed (eagle31 seed 1); 1 pruned (norm_output seed 1)." in al
     assert printed.startswith("**Acceptance length")
@@ -100,23 +152,36 @@ def test_report_tables_figures_and_provenance(store, tmp_path, capsys):
     assert len(rows) == len(ARMS) * len(SUITES) * len(KS)
     best = [r for r in rows if r["best"] == "1"]
     assert {r["arm"] for r in best} == {"eagle31"} and len(best) == len(SUITES) * len(KS)
+    fc = next(r for r in rows if (r["arm"], r["column_group"], r["column"]) == ("fc_norm", "in_dist", "k=3"))
+    assert float(fc["ratio"]) == pytest.approx(2.45 / 2.05) and float(fc["ratio_low"]) < 2.45 / 2.05
+    assert (fc["prompts"], fc["seeds"], fc["significant"]) == ("40", "2", "1")
+    assert all(r["ratio"] == r["significant"] == "" for r in rows if r["arm"] == "eagle3")
+    assert {r["seeds"] for r in rows if r["arm"] == "eagle31"} == {"1"}
     tex = (tables / "al.tex").read_text()
-    assert r"\toprule" in tex and r"\multicolumn{2}{c}{in\_dist}" in tex and r"\textbf{2.600$\pm$0.000}" in tex
+    assert r"\toprule" in tex and r"\multicolumn{2}{c}{in\_dist}" in tex
+    assert r"2.600$\pm$0.000 {\scriptsize(\textbf{1.300$\times$ [1.2" in tex and r"40 prompts $\times$ 1 seed)}" in tex
     drift = (tables / "drift.md").read_text()
-    assert "| EAGLE-3 | in_dist | 2 | **0.050 ± 0.000** |" not in drift  # all arms tie at step 1: no bold
-    assert "| EAGLE 3.1 | in_dist | 1 | 0.050 ± 0.000 | 0.022 ± 0.000 | 0.000 ± 0.000 | **0.084 ± 0.000** |" in drift
+    assert "**0.050 ± 0.000**" not in drift and "**0.084 ± 0.000**" not in drift  # no interval: never bold
+    # norm growth at step 8: 1 + 0.14 (1 - 0.6) = 1.056 against 1.14: 0.926 x, below 1
+    assert "| EAGLE 3.1 | in_dist | 1 | 0.050 ± 0.000 | 0.022 ± 0.000 | 0.000 ± 0.000 | 0.084 ± 0.000 | " in drift
+    assert "| 1.056 ± 0.000 (**0.926× [0.92" in drift
+    rollout = (tables / "rollout.md").read_text()
+    assert "| arm | n | depth 1 | depth 8 | depth 9 |" in rollout  # depth 1, the deepest k, the deepest depth
+    assert "| EAGLE-3 | 2 | 0.700 ± 0.000 | 0.350 ± 0.000 | 0.300 ± 0.000 |" in rollout
+    assert "| + FC norm | 2 | 0.740 ± 0.000 (**1.057× [1.0" in rollout and "24 held-out sequences × 2 seeds" in rollout
     names = {"al_vs_depth", "accept_rate", "sink_self_mass", "norm_growth", "al_per_template", "vllm_speedup"}
     assert {p.name for p in figures.iterdir()} == {f"{n}.{e}" for n in names for e in ("png", "pdf")}
     assert all((figures / f"{n}.png").read_bytes()[:4] == b"\x89PNG" for n in names)
     report = (tmp_path / "a" / "report.md").read_text()
     assert f"parent run `{store[1]}`" in report and "`abc123`" in report and "tiny_code-000000000000" in report
     assert "![al_vs_depth](figures/al_vs_depth.png)" in report and "| eagle31 | 1 |" in report
+    assert "Ratios: an arm's mean over seeds divided by EAGLE-3's" in report and "**1.195× [1.18" in report
 
 
 def test_report_is_deterministic(store, tmp_path, capsys):
     _report(store, tmp_path / "a", capsys)
     _report(store, tmp_path / "b", capsys)
-    for name in ("al", "acceptance", "drift"):
+    for name in ("al", "acceptance", "drift", "rollout"):
         for ext in ("md", "tex", "csv"):
             first, second = (tmp_path / d / "tables" / f"{name}.{ext}" for d in "ab")
             assert first.read_bytes() == second.read_bytes()
@@ -150,3 +215,144 @@ def test_latex_escape():
         latex_escape("a_b & 5% #1 {x} ~^\\")
         == r"a\_b \& 5\% \#1 \{x\} \textasciitilde{}\textasciicircum{}\textbackslash{}"
     )
+
+
+# -- paired statistics on planted records ------------------------------------------------------------------
+
+
+def _planted(seeds: int, prompts: int, scale: float = 1.0, noise: float = 0.0, seed: int = 0) -> dict[str, dict]:
+    """Counts per seed and prompt: AL_i = scale x a baseline AL_i (prompt difficulty shared by seed) plus
+    independent noise of about `noise`, over a number of rounds that varies by prompt."""
+    out = {}
+    for s in range(seeds):
+        shared = np.random.Generator(np.random.PCG64(1000 + s))
+        rounds = shared.integers(5, 30, prompts).astype(float)
+        al = scale * (1.8 + shared.uniform(-0.6, 0.6, prompts))
+        al = al + np.random.Generator(np.random.PCG64([seed, s])).normal(0.0, noise, prompts)
+        out[str(s)] = {f"{i}:p{i}": np.array([(al[i] - 1) * rounds[i], rounds[i]]) for i in range(prompts)}
+    return out
+
+
+def test_paired_ratio_covers_a_known_ratio():
+    """An arm 1.2 x the baseline prompt by prompt, plus noise: the interval covers 1.2 and excludes 1."""
+    base = _planted(3, 60)
+    arm = _planted(3, 60, scale=1.2, noise=0.15, seed=7)
+    iv = paired.paired_ratio(arm, base, paired.acceptance_length)
+    assert iv.low < 1.2 < iv.high and iv.excludes_one() and (iv.prompts, iv.seeds) == (60, 3)
+    assert iv.ratio == pytest.approx(
+        np.mean([paired.pooled(arm[s], paired.acceptance_length) for s in arm])
+        / np.mean([paired.pooled(base[s], paired.acceptance_length) for s in base])
+    )
+    assert iv.high - iv.low < 0.05  # paired: the prompts' difficulty, shared by both arms, cancels
+    # without noise every replicate draws the same prompts for both arms: the ratio is 1.2 in each one
+    exact = paired.paired_ratio(_planted(3, 60, scale=1.2), base, paired.acceptance_length)
+    assert exact.low == pytest.approx(1.2) and exact.high == pytest.approx(1.2)
+    assert paired.paired_ratio(arm, base, paired.acceptance_length) == iv  # seeded: the same interval again
+
+
+def test_paired_ratio_of_an_equal_arm_includes_one():
+    base = _planted(3, 60)
+    for seed in range(5):  # equal arms with noise of their own, prompt by prompt
+        iv = paired.paired_ratio(_planted(3, 60, noise=0.15, seed=seed), base, paired.acceptance_length)
+        assert iv.low < 1 < iv.high and not iv.excludes_one(), iv
+    same = paired.paired_ratio(base, base, paired.acceptance_length)
+    assert (same.ratio, same.low, same.high) == (1.0, 1.0, 1.0) and not same.excludes_one()
+
+
+def test_paired_ratio_pairs_only_shared_seeds_and_prompts():
+    base = _planted(3, 60)
+    arm = _planted(2, 60, scale=1.1, noise=0.1, seed=1)  # seeds 0 and 1 only
+    del arm["1"]["5:p5"]
+    iv = paired.paired_ratio(arm, base, paired.acceptance_length)
+    assert (iv.prompts, iv.seeds) == (59, 2)
+    assert paired.paired_ratio({"9": arm["0"]}, base, paired.acceptance_length) is None  # no seed in common
+
+
+def _log_planted(uri: str, art: str, parent: str, arm: str, seed: int, scale: float, records: bool) -> float:
+    """A finished run of study `paired` on suite in_dist at k=3 whose AL is the pooled per-prompt AL
+    (60 prompts: the baseline's difficulty per prompt, times `scale`, plus noise of the arm's own that
+    sums to 0 over the prompts), with or without its per_prompt/in_dist.json."""
+    shared = random.Random(seed)
+    difficulty = [shared.uniform(-0.5, 0.5) for _ in range(60)]
+    rounds = [10 + i % 7 for i in range(60)]
+    own = _zero_sum(random.Random(f"{arm}-{seed}"), 60, 0.2) if arm != "base" else [0.0] * 60
+    accepted = [(scale * (1.8 + d) + e - 1) * r for d, e, r in zip(difficulty, own, rounds, strict=True)]
+    al = 1 + sum(accepted) / sum(rounds)
+    prompts = [
+        {"index": i, "id": f"p{i}", "variant": "", "k": {"3": {"rounds": r, "accepted": a, "accepted_at": [0] * 3}}}
+        for i, (a, r) in enumerate(zip(accepted, rounds, strict=True))
+    ]
+    tags = {"study": "paired", "arm": arm, "seed": seed, "trial_state": "COMPLETE", "config_hash": f"{arm}{seed}"}
+    params = {"eval.suites": '["in_dist"]', "eval.num_speculative_tokens": "[3]", "eval.backends": '["ref"]'}
+    with track.start_run(uri, art, "paired", f"{arm}-{seed}", tags, parent_run_id=parent) as run:
+        run.log_params(params)
+        run.log_metrics({"eval/in_dist/ref/k3/al": al})
+        if records:
+            doc = {"format": 1, "suite": "in_dist", "seed": seed, "ks": [3], "prompts": prompts}
+            run.log_dict(doc, "per_prompt/in_dist.json")
+    return al
+
+
+ARMS_PAIRED = {"base": ("Baseline", 1.0, True), "same": ("Same", 1.0, True), "better": ("Better", 1.2, True)}
+ARMS_PAIRED["old"] = ("Old run", 1.2, False)
+
+
+@pytest.fixture(scope="module")
+def paired_store(tmp_path_factory) -> dict:
+    """Two studies of 3 seeds in one store: `paired` (a baseline, an arm equal to it, one 1.2 x better, and
+    one better but logged without per-prompt records) and `unpaired` (no run has records)."""
+    root = tmp_path_factory.mktemp("paired")
+    uri, art = f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts")
+    parents = {}
+    for study, with_records in (("paired", True), ("unpaired", False)):
+        with track.parent_run(uri, art, "paired", f"sweep-{study}", study, {"study": study, "sweep": study}) as p:
+            for arm, (_, scale, records) in ARMS_PAIRED.items():
+                for seed in (0, 1, 2):
+                    _log_planted(uri, art, p.id, arm, seed, scale, records and with_records)
+        parents[study] = p.id
+    return {"uri": uri, "parents": parents}
+
+
+def _paired_report(paired_store, study: str, out: Path) -> Path:
+    arms = [(name, label) for name, (label, _, _) in ARMS_PAIRED.items()]
+    loaded = report.load(paired_store["uri"], paired_store["parents"][study], study, "", arms, "base", [0, 1, 2])
+    report.write(loaded, [], out, f"lab report experiment={study}")
+    return out
+
+
+def test_paired_report_marks_only_intervals_that_exclude_one(paired_store, tmp_path):
+    out = _paired_report(paired_store, "paired", tmp_path / "a")
+    al = (out / "tables" / "al.md").read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in al.splitlines() if line.startswith("| ")}
+    assert rows["Baseline"].endswith(" |") and "×" not in rows["Baseline"]
+    assert "× [" in rows["Same"] and "**" not in rows["Same"]  # equal to the baseline: not marked
+    assert "(**1.2" in rows["Better"]  # clearly better: marked
+    assert "×" not in rows["Old run"] and "(+19.9%)" in rows["Old run"]  # no records: mean ± std, the change
+    assert "over 60 prompts × 3 seeds per cell. Bold: the interval excludes 1." in al
+    assert (
+        "No interval for Old run: their runs or the baseline's hold no per-prompt records (per_prompt/in_dist.json)"
+        in al
+    )
+    cells = {r["arm"]: r for r in csv.DictReader(io.StringIO((out / "tables" / "al.csv").read_text()))}
+    assert float(cells["better"]["ratio_low"]) < 1.2 < float(cells["better"]["ratio_high"])
+    assert float(cells["same"]["ratio_low"]) < 1 < float(cells["same"]["ratio_high"])
+    assert [cells[a]["significant"] for a in ARMS_PAIRED] == ["", "0", "1", ""]
+    assert (cells["better"]["prompts"], cells["better"]["seeds"]) == ("60", "3")
+    tex = (out / "tables" / "al.tex").read_text()
+    assert r"\textbf{1.2" in tex and tex.count(r"\textbf") == 1 and r"60 prompts $\times$ 3 seeds" in tex
+    assert "Ratios: an arm's mean over seeds divided by Baseline's" in (out / "report.md").read_text()
+    again = _paired_report(paired_store, "paired", tmp_path / "b")
+    for ext in ("md", "tex", "csv"):  # seeded bootstrap: byte-identical tables on a rerun
+        assert (out / "tables" / f"al.{ext}").read_bytes() == (again / "tables" / f"al.{ext}").read_bytes()
+    assert (out / "report.md").read_bytes() == (again / "report.md").read_bytes()
+
+
+def test_report_of_runs_without_per_prompt_records_says_so(paired_store, tmp_path):
+    """Runs logged before the per-prompt records existed: mean ± std and the change, no interval, no bold."""
+    out = _paired_report(paired_store, "unpaired", tmp_path)
+    al = (out / "tables" / "al.md").read_text()
+    assert "×" not in al.split("\n\n")[1] and "**" not in al.split("\n\n")[1] and "(+19.9%)" in al
+    assert "No interval for Better, Old run, Same:" in al and "(mean ± std over seeds; change against Baseline;" in al
+    assert "Ratio:" not in al
+    assert {r["significant"] for r in csv.DictReader(io.StringIO((out / "tables" / "al.csv").read_text()))} == {""}
+    assert "No intervals: the runs hold no per-prompt records" in (out / "report.md").read_text()

@@ -43,6 +43,12 @@ class DriftProbes:
         for name in ("sink", "self_", "feedback_rms", "count"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)])
 
+    def sums(self) -> dict[str, list[float] | list[int]]:
+        """The running sums per drafting step, as `per_prompt/{suite}.json` records them: summed over
+        prompts and divided as `curves` divides them, they give the logged curves."""
+        names = {"sink": self.sink, "self": self.self_, "feedback_rms": self.feedback_rms, "count": self.count}
+        return {name: list(values) for name, values in names.items()}
+
     def curves(self) -> dict[str, list[float]]:
         n = [max(c, 1) for c in self.count]
         sink = [s / c for s, c in zip(self.sink, n, strict=True)]
@@ -85,6 +91,27 @@ def rollout_accuracy(
     """Teacher-forced top-1 agreement with the target at unrolled depth d = 1..depth (the drafter's
     own feedback, as in training): input_ids [B, T], aux [B, T, A*H], target_top [B, T] the target's
     argmax at each position; counted where loss_mask of the predicted token is 1 (all if None)."""
+    hits, counted = rollout_counts(drafter, input_ids, aux, target_top, depth, loss_mask)
+    return pooled_rollout_accuracy(hits, counted)
+
+
+def pooled_rollout_accuracy(hits: torch.Tensor, counted: torch.Tensor) -> list[float]:
+    """Accuracy per depth from `rollout_counts`' per-sequence sums [depth, B]: hits / counted pooled over
+    the sequences (a depth with nothing counted is 0)."""
+    return (hits.sum(1) / counted.sum(1).clamp_min(1.0)).tolist()
+
+
+@torch.no_grad()
+def rollout_counts(
+    drafter: Eagle3Drafter,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    target_top: torch.Tensor,
+    depth: int,
+    loss_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rollout_accuracy`'s counts per held-out sequence: (hits, counted), each [depth, B], the positions
+    where the drafter agreed with the target and the positions counted, at each unrolled depth."""
     t = input_ids.shape[1]
     if depth >= t - 1:
         raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
@@ -94,11 +121,12 @@ def rollout_accuracy(
     counted = (
         torch.ones_like(input_ids, dtype=torch.float) if loss_mask is None else F.pad(loss_mask[:, 1:].float(), (0, 1))
     )
-    accs = []
+    hits, weights = [], []
     for i, h_out in enumerate(outs):
         n = t - 1 - i
         pred = drafter.to_target_ids(drafter.logits(h_out[:, :n]).argmax(-1))
         weight = counted[:, i + 1 : i + 1 + n]
-        hits = (pred == target_top[:, i + 1 : i + 1 + n]).float()
-        accs.append(((hits * weight).sum() / weight.sum().clamp_min(1.0)).item())
-    return accs
+        agree = (pred == target_top[:, i + 1 : i + 1 + n]).float()
+        hits.append((agree * weight).sum(1))  # whole numbers: their sums are exact in float32
+        weights.append(weight.sum(1))
+    return torch.stack(hits), torch.stack(weights)

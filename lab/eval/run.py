@@ -1,9 +1,16 @@
 """Evaluate a drafter on suites with the reference decoder; returns metrics named as in docs/design.md.
 
-A value that is a list is a curve (logged with step = position 1..k).
+A value that is a list is a curve (logged with step = position 1..k). Beside the metrics, the counts
+behind them per prompt (per held-out sequence for the rollout), the `per_prompt/*.json` artifacts that
+the report's paired bootstrap resamples: pooled over the prompts they give back the logged metrics.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -11,11 +18,27 @@ from tqdm.auto import tqdm
 from lab.data.suites import Suite
 from lab.data.text import Sequences
 from lab.drafter import Eagle3Drafter
-from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
+from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
 from lab.eval.reference import DecodeStats, speculative_decode, target_decode
 from lab.target import capture, target_logits
 
 Metrics = dict[str, float | list[float]]
+PER_PROMPT_FORMAT = 1  # the version of the per_prompt/*.json artifacts (docs/design.md)
+
+
+@dataclass
+class Evaluation:
+    """Metrics as logged, and the per-prompt (per-sequence) counts behind them: the JSON document logged
+    as `per_prompt/{suite}.json` (`per_prompt/rollout.json` for the held-out rollout)."""
+
+    metrics: Metrics
+    per_prompt: dict[str, Any]
+
+
+def prompt_id(tokens: list[int]) -> str:
+    """A prompt's (a sequence's) identity across runs: the first 12 hex digits of the sha256 of its token
+    ids as JSON, so that a report pairs the same prompt and never two that merely share an index."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
 def evaluate_suite(
@@ -32,6 +55,24 @@ def evaluate_suite(
     """AL, acceptance curves, tokens/s and speedup over plain decoding of the target, per k, measured
     side by side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too. A suite
     with several variants also gets each variant's metrics under `{suite}.{variant}`."""
+    return evaluate_suite_prompts(target_model, drafter, suite, ks, progress, probes, n_sink, temperature, seed).metrics
+
+
+def evaluate_suite_prompts(
+    target_model,
+    drafter: Eagle3Drafter,
+    suite: Suite,
+    ks: list[int],
+    progress: bool = True,
+    probes: bool = False,
+    n_sink: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> Evaluation:
+    """`evaluate_suite`'s metrics and, per prompt (in the suite's order, as in `suites/{suite}.json`) and
+    k, the drafting rounds, accepted drafts, accepted drafts per position and, with `probes`, the drift
+    probes' sums (`DriftProbes`): AL = 1 + sum(accepted) / sum(rounds) over the prompts is the logged
+    `eval/{suite}/ref/k{k}/al`, and the probes' sums pooled the same way give the drift curves."""
     drafter.eval()
     # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
     target_decode(target_model, suite.prompts[0], 4)
@@ -40,18 +81,28 @@ def evaluate_suite(
     results = {v: _Tally(ks, n_sink, probes) for v in dict.fromkeys(suite.variants)}
     bar = tqdm(suite.prompts, desc=f"eval {suite.name} k={ks}", unit="prompt", disable=not progress)
     gen = torch.Generator().manual_seed(seed)
-    for prompt, variant in zip(bar, suite.variants, strict=True):
+    records = []
+    for index, (prompt, variant) in enumerate(zip(bar, suite.variants, strict=True)):
         tally = results[variant]
         reference, seconds = target_decode(target_model, prompt, suite.max_new_tokens, temperature, gen)
         tally.base_seconds += seconds
         tally.base_tokens += len(reference)
         tally.prompts += 1
+        by_k = {}
         for k in ks:
+            drift = DriftProbes(k, n_sink) if probes else None
             tokens, stats = speculative_decode(
-                target_model, drafter, prompt, suite.max_new_tokens, k, tally.drift.get(k), temperature, gen
+                target_model, drafter, prompt, suite.max_new_tokens, k, drift, temperature, gen
             )
             tally.stats[k].merge(stats)
             tally.matches[k] += int(tokens == reference)
+            record: dict[str, Any] = {"rounds": stats.rounds, "accepted": stats.accepted}
+            record["accepted_at"] = list(stats.accepted_at)
+            if drift is not None:
+                tally.drift[k].merge(drift)
+                record["drift"] = drift.sums()
+            by_k[str(k)] = record
+        records.append({"index": index, "id": prompt_id(prompt), "variant": variant, "k": by_k})
     total = _Tally(ks, n_sink, probes)
     for tally in results.values():
         total.merge(tally)
@@ -59,7 +110,14 @@ def evaluate_suite(
     if len(results) > 1:
         for variant, tally in results.items():
             metrics.update(tally.metrics(f"{suite.name}.{variant}", temperature))
-    return metrics
+    per_prompt = {
+        "format": PER_PROMPT_FORMAT,
+        "suite": suite.name,
+        "seed": seed,
+        "ks": list(ks),
+        "prompts": records,
+    }
+    return Evaluation(metrics, per_prompt)
 
 
 class _Tally:
@@ -97,15 +155,35 @@ class _Tally:
         return out
 
 
-@torch.no_grad()
 def heldout_metrics(target, drafter: Eagle3Drafter, heldout: Sequences, depth: int, suite: str = "in_dist") -> Metrics:
     """Teacher-forced rollout accuracy per depth (on the assistant's tokens) and the captured layers'
     fc shares, on held-out conversations."""
+    return heldout_evaluation(target, drafter, heldout, depth, suite).metrics
+
+
+@torch.no_grad()
+def heldout_evaluation(
+    target, drafter: Eagle3Drafter, heldout: Sequences, depth: int, suite: str = "in_dist", seed: int = 0
+) -> Evaluation:
+    """`heldout_metrics` and, per held-out sequence, the rollout's hits and counted positions per depth
+    (`per_prompt/rollout.json`): sum(hits) / sum(counted) over the sequences is the logged accuracy."""
     cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)
     top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
-    return {
-        f"eval/{suite}/rollout/acc": rollout_accuracy(
-            drafter, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask
-        ),
-        "drift/fc_share": fc_share(drafter, cap.aux),
+    hits, counted = rollout_counts(drafter, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask)
+    key = f"eval/{suite}/rollout/acc"
+    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), "drift/fc_share": fc_share(drafter, cap.aux)}
+    sequences = [
+        {"index": i, "id": prompt_id(ids), "hits": h, "counted": c}
+        for i, (ids, h, c) in enumerate(
+            zip(heldout.input_ids.tolist(), hits.T.tolist(), counted.T.tolist(), strict=True)
+        )
+    ]
+    per_sequence = {
+        "format": PER_PROMPT_FORMAT,
+        "metric": key,
+        "suite": suite,
+        "seed": seed,
+        "depth": depth,
+        "sequences": sequences,
     }
+    return Evaluation(metrics, per_sequence)

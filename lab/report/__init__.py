@@ -9,6 +9,7 @@ from pathlib import Path
 from lab import track
 from lab.config import ConfigError
 from lab.report import figures as fig_mod
+from lab.report import paired
 from lab.report import tables as tab_mod
 from lab.report.study import Study, load
 
@@ -71,6 +72,26 @@ def _provenance(study: Study, command: str) -> list[str]:
     ]
 
 
+def _intervals_said(study: Study, tables: list[tab_mod.Table]) -> str:
+    """What the tables' ratios and intervals are, or that the runs' records allow none."""
+    base = next((a.label for a in study.arms if a.name == study.baseline), study.baseline)
+    if any(c.interval is not None for t in tables for r in t.rows for c in r.cells):
+        return (
+            f"Ratios: an arm's mean over seeds divided by {base}'s, on the seeds and prompts both recorded "
+            f"(held-out sequences for the rollout), with a {paired.LEVEL:.0%} paired bootstrap interval "
+            f"({paired.RESAMPLES} resamples, seed {paired.BOOTSTRAP_SEED}): each resample draws the seeds with "
+            "replacement, then the prompts within each drawn seed, the same draws for the arm and the baseline. "
+            "Bold marks a ratio whose interval excludes 1, nothing else; the notes under each table give the "
+            "prompts and seeds behind its cells, and its CSV gives them per cell (`ratio`, `ratio_low`, "
+            "`ratio_high`, `prompts`, `seeds`, `significant`)."
+        )
+    return (
+        "No intervals: the runs hold no per-prompt records (`per_prompt/*.json`; runs logged before lab recorded "
+        "them have none), so the tables give mean ± std over seeds and the change against "
+        f"{base} only, and mark nothing."
+    )
+
+
 def _run_table(study: Study) -> list[str]:
     lines = ["| arm | seed | run id | state | config hash | git commit |", "|---|---|---|---|---|---|"]
     for r in study.runs + sorted(study.left_out, key=lambda r: r.info.run_id):
@@ -102,6 +123,8 @@ def write(study: Study, figure_names: list[str], folder: Path, command: str) -> 
     lines += ["", "## Tables", ""]
     if not tables:
         lines.append("(no finished runs yet)")
+    else:
+        lines += [_intervals_said(study, tables), ""]
     for t in tables:
         lines += [
             tab_mod.markdown(t),

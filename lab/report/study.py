@@ -34,6 +34,7 @@ class Study:
     seeds: list[int]  # the seeds the experiment asks for
     left_out: list[Any] = field(default_factory=list)  # runs that failed, were pruned or are still running
     _curves: dict[tuple[str, str], list[float]] = field(default_factory=dict, repr=False)
+    _records: dict[tuple[str, str], dict | None] = field(default_factory=dict, repr=False)
 
     @property
     def runs(self) -> list[Any]:
@@ -81,6 +82,18 @@ class Study:
             if cache_key not in self._curves:
                 self._curves[cache_key] = track.metric_curve(self.uri, r.info.run_id, key)
             out.append(self._curves[cache_key])
+        return out
+
+    def records(self, arm: Arm, name: str) -> dict[str, dict]:
+        """The per-prompt records `per_prompt/{name}.json` (a suite's name, or `rollout`) of each of the
+        arm's runs that logged them, by seed; runs logged before these records existed have none."""
+        out = {}
+        for r in arm.runs:
+            cache_key = (r.info.run_id, name)
+            if cache_key not in self._records:
+                self._records[cache_key] = track.run_json(self.uri, r.info.run_id, f"per_prompt/{name}.json")
+            if self._records[cache_key] is not None:
+                out[r.data.tags.get("seed", "")] = self._records[cache_key]
         return out
 
     def has(self, key: str) -> bool:

@@ -1,19 +1,27 @@
 """Paper-style tables of a study, each rendered as Markdown, LaTeX (booktabs) and CSV.
 
-- `al`: AL per arm x suite x drafting depth k, mean +- std over seeds (n), change against the baseline arm;
+- `al`: AL per arm x suite x drafting depth k, mean +- std over seeds (n), ratio against the baseline arm;
 - `acceptance`: the per-position acceptance rate (accepted at position i / drafts) at the deepest k;
-- `drift`: sink and self attention mass at drafting step 1 and at the deepest step, norm growth there.
+- `drift`: sink and self attention mass at drafting step 1 and at the deepest step, norm growth there;
+- `rollout`: teacher-forced rollout accuracy on held-out data at depth 1, the deepest k and the deepest depth.
 
-The best value of each column (within a suite) is bold. Formatting is fixed, so the same MLflow content
-gives byte-identical files.
+AL, norm growth and rollout accuracy of every arm but the baseline carry the ratio of the arm's mean to the
+baseline's with a 95 % paired bootstrap interval over prompts and seeds (lab/report/paired.py), from the
+runs' per-prompt records; a cell is bold only when its interval excludes 1. Runs without those records
+(logged before them) give mean +- std and the change against the baseline only, and the table says so.
+The CSV also flags each column's best mean (`best`). Formatting is fixed and the bootstrap seeded, so the
+same MLflow content gives byte-identical files.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lab.report import paired
 from lab.report.study import Study, mean_std
 
 
@@ -28,6 +36,7 @@ class Column:
 class Cell:
     values: list[float]
     change: float | None = None  # relative to the baseline arm's mean
+    interval: paired.Interval | None = None  # the paired ratio to the baseline arm, where records allow
 
     @property
     def n(self) -> int:
@@ -59,6 +68,23 @@ class Table:
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
     digits: int = 3
+    unit: str = "prompts"  # what an interval resamples within a seed
+
+    def marked(self) -> set[tuple[int, int]]:
+        """(row, column) of the cells whose interval excludes 1: the only cells set in bold."""
+        return {
+            (i, j)
+            for i, row in enumerate(self.rows)
+            for j, cell in enumerate(row.cells)
+            if cell.interval is not None and cell.interval.excludes_one()
+        }
+
+    def counts(self) -> tuple[int, int] | None:
+        """The (prompts, seeds) behind most of the table's intervals (a cell with others says so)."""
+        found = Counter(
+            (c.interval.prompts, c.interval.seeds) for r in self.rows for c in r.cells if c.interval is not None
+        )
+        return min(found, key=lambda pair: (-found[pair], pair)) if found else None
 
     def best(self) -> set[tuple[int, int]]:
         """(row, column) of the best mean per column within each row group."""
@@ -84,21 +110,34 @@ def _num(x: float, digits: int) -> str:
     return f"{x:.{digits}f}"
 
 
-def _cell_text(table: Table, row: Row, cell: Cell, pm: str) -> tuple[str, str]:
-    """(value text, annotation) of a cell: 'mean pm std' and '(+3.1%)', 'n=2' where fewer seeds."""
+def _seeds(n: int) -> str:
+    return f"{n} seed{'s' * (n != 1)}"
+
+
+def _cell_text(table: Table, row: Row, cell: Cell, pm: str) -> tuple[str, str, list[str]]:
+    """(value text, ratio text, annotations) of a cell: 'mean pm std', '1.195× [1.171, 1.219]' (the
+    ratio to the baseline and its interval) or else the change '+3.1%' in the annotations, 'n=2' where
+    fewer seeds, '40 prompts × 1 seed' (in the table's unit) where the interval rests on other counts than
+    most of the table's."""
     if not cell.values:
-        return "-", ""
-    text = f"{_num(cell.mean, table.digits)}{pm}{_num(cell.std, table.digits)}"
-    notes = []
-    if cell.change is not None:
+        return "-", "", []
+    d = table.digits
+    text = f"{_num(cell.mean, d)}{pm}{_num(cell.std, d)}"
+    ratio, notes = "", []
+    iv = cell.interval
+    if iv is not None:
+        ratio = f"{_num(iv.ratio, d)}× [{_num(iv.low, d)}, {_num(iv.high, d)}]"
+        if (iv.prompts, iv.seeds) != table.counts():
+            notes.append(f"{iv.prompts} {table.unit} × {_seeds(iv.seeds)}")
+    elif cell.change is not None:
         notes.append(f"{cell.change:+.1%}")
     if cell.n < row.n:
         notes.append(f"n={cell.n}")
-    return text, " ".join(notes)
+    return text, ratio, notes
 
 
 def markdown(table: Table) -> str:
-    best = table.best()
+    marked = table.marked()
     grouped = any(r.group for r in table.rows)
     head = ["arm"] + (["suite"] if grouped else []) + ["n"]
     head += [f"{c.group} {c.label}".strip() for c in table.columns]
@@ -106,10 +145,11 @@ def markdown(table: Table) -> str:
     for i, row in enumerate(table.rows):
         cells = [row.label] + ([row.group] if grouped else []) + [str(row.n)]
         for j, cell in enumerate(row.cells):
-            text, note = _cell_text(table, row, cell, " ± ")
-            if (i, j) in best:
-                text = f"**{text}**"
-            cells.append(f"{text} ({note})" if note else text)
+            text, ratio, notes = _cell_text(table, row, cell, " ± ")
+            if ratio and (i, j) in marked:
+                ratio = f"**{ratio}**"
+            notes = [ratio, *notes] if ratio else notes
+            cells.append(f"{text} ({', '.join(notes)})" if notes else text)
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [f"{note}" for note in table.notes]
     return "\n".join(lines).rstrip() + "\n"
@@ -127,6 +167,7 @@ _LATEX_SPECIAL = {
     "~": r"\textasciitilde{}",
     "^": r"\textasciicircum{}",
     "±": r"$\pm$",
+    "×": r"$\times$",
 }
 
 
@@ -135,8 +176,9 @@ def latex_escape(text: str) -> str:
 
 
 def latex(table: Table) -> str:
-    """A booktabs `table` environment: a header row per column group, bold best, notes under it."""
-    best = table.best()
+    """A booktabs `table` environment: a header row per column group, bold ratios whose interval excludes 1,
+    notes under it."""
+    marked = table.marked()
     grouped = any(r.group for r in table.rows)
     lead = ["Arm"] + (["Suite"] if grouped else []) + ["$n$"]
     spec = "l" * (len(lead) - 1) + "r" + "c" * len(table.columns)
@@ -171,10 +213,12 @@ def latex(table: Table) -> str:
         previous_group = row.group
         cells = [latex_escape(row.label)] + ([latex_escape(row.group)] if grouped else []) + [str(row.n)]
         for j, cell in enumerate(row.cells):
-            text, note = _cell_text(table, row, cell, r"$\pm$")
-            if (i, j) in best:
-                text = rf"\textbf{{{text}}}"
-            cells.append(text + (rf" {{\scriptsize({latex_escape(note)})}}" if note else ""))
+            text, ratio, notes = _cell_text(table, row, cell, r"$\pm$")
+            parts = [latex_escape(n) for n in notes]
+            if ratio:
+                ratio = latex_escape(ratio)
+                parts.insert(0, rf"\textbf{{{ratio}}}" if (i, j) in marked else ratio)
+            cells.append(text + (rf" {{\scriptsize({', '.join(parts)})}}" if parts else ""))
         out.append(" & ".join(cells) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}"]
     if table.notes:
@@ -184,21 +228,27 @@ def latex(table: Table) -> str:
 
 
 def to_csv(table: Table) -> str:
-    """Tidy rows (one per arm x column) for notebooks: the numbers unrounded."""
-    best = table.best()
+    """Tidy rows (one per arm x column) for notebooks: the numbers unrounded. `best`: the column's best mean
+    (within a row group); `ratio`, `ratio_low`, `ratio_high`: the ratio to the baseline arm and its paired
+    bootstrap interval, over `prompts` prompts x `seeds` seeds; `significant`: 1 where the interval excludes
+    1 (empty where there is no interval)."""
+    best, marked = table.best(), table.marked()
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(
-        ["table", "arm", "label", "row_group", "column_group", "column", "mean", "std", "n", "change", "best"]
-    )
+    head = ["table", "arm", "label", "row_group", "column_group", "column", "mean", "std", "n", "change", "best"]
+    writer.writerow(head + ["ratio", "ratio_low", "ratio_high", "prompts", "seeds", "significant"])
     for i, row in enumerate(table.rows):
         for j, (col, cell) in enumerate(zip(table.columns, row.cells, strict=True)):
             mean, std = (repr(cell.mean), repr(cell.std)) if cell.values else ("", "")
             change = "" if cell.change is None else repr(cell.change)
-            best_mark = int((i, j) in best)
-            writer.writerow(
-                [table.name, row.arm, row.label, row.group, col.group, col.label, mean, std, cell.n, change, best_mark]
-            )
+            out = [table.name, row.arm, row.label, row.group, col.group, col.label, mean, std, cell.n, change]
+            out.append(int((i, j) in best))
+            iv = cell.interval
+            if iv is None:
+                out += ["", "", "", "", "", ""]
+            else:
+                out += [repr(iv.ratio), repr(iv.low), repr(iv.high), iv.prompts, iv.seeds, int((i, j) in marked)]
+            writer.writerow(out)
     return buf.getvalue()
 
 
@@ -208,14 +258,68 @@ def _change(cell: Cell, base: Cell | None) -> float | None:
     return cell.mean / base.mean - 1
 
 
+# where a cell's paired ratio comes from: the per-prompt artifact (a suite's name or `rollout`), the counts
+# per prompt in one of its documents, and the metric of their sums
+Source = tuple[str, Callable[[dict], paired.Counts], paired.Metric]
+
+
+def _base_label(study: Study) -> str:
+    return next((a.label for a in study.arms if a.name == study.baseline), study.baseline)
+
+
+def _against(study: Study, table: Table) -> str:
+    """What the cells compare with the baseline: the ratio where there are intervals, else the change."""
+    return f"{'ratio to' if table.counts() else 'change against'} {_base_label(study)}"
+
+
+def _pair(study: Study, table: Table, source: Callable[[Row, int], Source | None], what: str) -> None:
+    """Give each cell of the arms other than the baseline that `source` names the paired ratio to the
+    baseline's cell with its interval, and add the notes that say what the intervals are and which cells
+    lack one (`what`: the records, e.g. "per-prompt records")."""
+    arms = {a.name: a for a in study.arms}
+    base = arms.get(study.baseline)
+    lacking: dict[str, set[str]] = {}  # artifact -> labels of arms with a value but no interval
+    for row in table.rows:
+        for j, cell in enumerate(row.cells):
+            src = source(row, j)
+            if src is None or not cell.values or row.arm == study.baseline:
+                continue
+            name, counts, metric = src
+            if base is not None:
+                mine = {seed: counts(doc) for seed, doc in study.records(arms[row.arm], name).items()}
+                theirs = {seed: counts(doc) for seed, doc in study.records(base, name).items()}
+                cell.interval = paired.paired_ratio(mine, theirs, metric)
+            if cell.interval is None:
+                lacking.setdefault(name, set()).add(row.label)
+    counts = table.counts()
+    if counts is not None:
+        prompts, seeds = counts
+        some_differ = any(
+            c.interval is not None and (c.interval.prompts, c.interval.seeds) != counts
+            for r in table.rows
+            for c in r.cells
+        )
+        table.notes.append(
+            f"{paired.method(_base_label(study), table.unit)}, over {prompts} {table.unit} × {_seeds(seeds)} per cell"
+            + (" unless the cell says otherwise" if some_differ else "")
+            + ". Bold: the interval excludes 1."
+        )
+    if lacking:
+        files = ", ".join(f"per_prompt/{name}.json" for name in sorted(lacking))
+        labels = sorted({label for labels in lacking.values() for label in labels})
+        table.notes.append(
+            f"No interval for {', '.join(labels)}: their runs or the baseline's hold no {what} ({files}) for the "
+            "same seeds and prompts (runs logged before lab recorded them have none); those cells give mean ± std "
+            "over seeds and the change against the baseline only, never bold."
+        )
+
+
 def al_table(study: Study) -> Table:
-    """AL per arm x suite x k, with the change against the baseline arm."""
+    """AL per arm x suite x k, with the ratio to the baseline arm (or the change, without records)."""
     b = study.backend
-    columns = [Column(f"k={k}", s) for s in study.suites for k in study.ks]
-    cells = {
-        a.name: [Cell(study.scalars(a, f"eval/{s}/{b}/k{k}/al")) for s in study.suites for k in study.ks]
-        for a in study.arms
-    }
+    pairs = [(s, k) for s in study.suites for k in study.ks]
+    columns = [Column(f"k={k}", s) for s, k in pairs]
+    cells = {a.name: [Cell(study.scalars(a, f"eval/{s}/{b}/k{k}/al")) for s, k in pairs] for a in study.arms}
     base = cells.get(study.baseline)
     rows = []
     for a in study.arms:
@@ -223,9 +327,18 @@ def al_table(study: Study) -> Table:
         for j, cell in enumerate(row_cells):
             cell.change = _change(cell, base[j] if base else None)
         rows.append(Row(a.name, a.label, row_cells, n=len(a.runs)))
-    base_label = next((a.label for a in study.arms if a.name == study.baseline), study.baseline)
-    title = f"Acceptance length (mean ± std over seeds; change against {base_label}; {b} decoder)"
-    return Table("al", title, columns, rows)
+    table = Table("al", "", columns, rows)
+    if b == "ref":  # the per-prompt records are the reference decoder's
+
+        def source(row: Row, j: int) -> Source:
+            s, k = pairs[j]
+            return s, lambda doc: paired.al_counts(doc, k), paired.acceptance_length
+
+        _pair(study, table, source, "per-prompt records")
+    else:
+        table.notes.append("No intervals: the per-prompt records are the reference decoder's, which did not run.")
+    table.title = f"Acceptance length (mean ± std over seeds; {_against(study, table)}; {b} decoder)"
+    return table
 
 
 def acceptance_table(study: Study) -> Table:
@@ -244,7 +357,8 @@ def acceptance_table(study: Study) -> Table:
 
 
 def drift_table(study: Study) -> Table | None:
-    """Sink and self attention mass at drafting step 1 and the deepest step, norm growth there, per suite."""
+    """Sink and self attention mass at drafting step 1 and the deepest step, norm growth there, per suite;
+    norm growth with the ratio to the baseline arm."""
     k = study.ks[-1]
     if not study.has_drift:
         return None
@@ -270,7 +384,50 @@ def drift_table(study: Study) -> Table | None:
         f"Attention drift along the speculation chain (k={k}): attention mass on the sink token and on the "
         "drafter's own drafted tokens, and the growth of the fed-back state's norm"
     )
-    return Table("drift", title, columns, rows)
+    table = Table("drift", title, columns, rows)
+
+    def source(row: Row, j: int) -> Source | None:
+        if j != len(columns) - 1:
+            return None
+        return row.group, lambda doc: paired.norm_growth_counts(doc, k, k), paired.norm_growth
+
+    _pair(study, table, source, "per-prompt probe records")
+    if table.counts():
+        table.title += f" (its ratio to {_base_label(study)})"
+    return table
+
+
+ROLLOUT_KEY = "eval/in_dist/rollout/acc"
+
+
+def rollout_table(study: Study) -> Table | None:
+    """Teacher-forced rollout accuracy on held-out data at depth 1, the deepest k and the deepest depth all
+    runs reached, with the ratio to the baseline arm (bootstrapped over held-out sequences and seeds)."""
+    curves = {a.name: study.curves(a, ROLLOUT_KEY) for a in study.arms}
+    lengths = [len(c) for cs in curves.values() for c in cs]
+    if not lengths or min(lengths) == 0:
+        return None
+    deepest = min(lengths)
+    depths = sorted({d for d in (1, study.ks[-1] if study.ks else 1, deepest) if d <= deepest})
+    columns = [Column(f"depth {d}", better="high") for d in depths]
+    cells = {a.name: [Cell([c[d - 1] for c in curves[a.name]]) for d in depths] for a in study.arms}
+    base = cells.get(study.baseline)
+    rows = []
+    for a in study.arms:
+        for j, cell in enumerate(cells[a.name]):
+            cell.change = _change(cell, base[j] if base else None)
+        rows.append(Row(a.name, a.label, cells[a.name], n=len(a.runs)))
+    table = Table("rollout", "", columns, rows, unit="held-out sequences")
+
+    def source(row: Row, j: int) -> Source:
+        return "rollout", lambda doc: paired.rollout_counts(doc, depths[j]), paired.accuracy
+
+    _pair(study, table, source, "per-sequence records")
+    table.title = (
+        "Teacher-forced rollout accuracy on held-out data at unrolled depth d (the drafter's own states fed "
+        f"back; mean ± std over seeds; {_against(study, table)})"
+    )
+    return table
 
 
 def build(study: Study) -> list[Table]:
@@ -278,9 +435,9 @@ def build(study: Study) -> list[Table]:
     if not study.runs:
         return []
     tables = [al_table(study), acceptance_table(study)]
-    drift = drift_table(study)
-    if drift is not None:
-        tables.append(drift)
+    for optional in (drift_table(study), rollout_table(study)):
+        if optional is not None:
+            tables.append(optional)
     notes = [f"Missing: {gap}." for gap in study.gaps()]
     if study.left_out_note():
         notes.append(study.left_out_note())

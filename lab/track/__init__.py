@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -370,6 +371,25 @@ def logged_config(uri: str, run_id: str) -> dict | None:
         return yaml.safe_load(mlflow.artifacts.load_text(f"runs:/{run_id}/config.yaml"))
     except (OSError, mlflow.exceptions.MlflowException, yaml.YAMLError):
         return None
+
+
+def run_json(uri: str, run_id: str, path: str) -> dict | None:
+    """A JSON artifact of a run (e.g. `per_prompt/in_dist.json`), or None when the run has none (a run
+    logged before that artifact existed) or it is not a JSON object."""
+    configure(uri)
+    quiet = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"  # a report reads one per run and suite: no bar for each
+    before = os.environ.get(quiet)
+    os.environ[quiet] = "false"
+    try:
+        data = json.loads(mlflow.artifacts.load_text(f"runs:/{run_id}/{path}"))
+    except (OSError, mlflow.exceptions.MlflowException, ValueError):
+        return None
+    finally:
+        if before is None:
+            del os.environ[quiet]
+        else:
+            os.environ[quiet] = before
+    return data if isinstance(data, dict) else None
 
 
 def check_reachable(uri: str, timeout: float = 3.0) -> None:
