@@ -468,11 +468,12 @@ def _wrap(*paragraphs: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    studies = _studies()
     p = argparse.ArgumentParser(
         prog="lab",
         description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG.format(**_studies()),
+        epilog=EPILOG.format(**studies),
     )
     sub = p.add_subparsers(dest="verb", required=True)
     import textwrap
@@ -507,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child "
         "MLflow runs of one parent run, then the tables and reports/NAME/report.md. Rerunning the same command "
         "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.",
-        epilog=f"experiments: {_studies()['experiments']}\n"
+        epilog=f"experiments: {studies['experiments']}\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
         "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
         "  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
@@ -523,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run and reports its objective(s). Rerunning continues the same study. `lab sweep worker sweep=NAME` "
         "joins a running study from another process or machine (same storage, same overrides). The storage "
         "is a journal file beside the MLflow database, or tracking.optuna_storage=URL (e.g. PostgreSQL).",
-        epilog=f"sweeps: {_studies()['sweeps']}\n"
+        epilog=f"sweeps: {studies['sweeps']}\n"
         "examples:\n  lab sweep sweep=toggles_grid --workers 2 target=micro data=micro train=quick eval=quick\n"
         "  lab sweep sweep=tpe_eagle31 --trials 40\n"
         "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna",

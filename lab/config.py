@@ -703,18 +703,17 @@ _NOT_SET = object()
 
 def _schema_defaults(data: dict[str, Any]) -> dict[str, Any]:
     """The schema's default of every key in `data` (a run's config as a container)."""
-    groups = {f.name: f.type for f in dataclasses.fields(Config)}
+    fields = {f.name: f for f in dataclasses.fields(Config)}
     hints = typing.get_type_hints(Config)
+    suite_default = to_container(OmegaConf.structured(SuiteConfig))
     defaults: dict[str, Any] = {}
     for name, value in data.items():
-        kind = hints.get(name, groups.get(name))
         if name == "suites":
-            defaults[name] = {s: to_container(OmegaConf.structured(SuiteConfig)) for s in value}
-        elif dataclasses.is_dataclass(kind):
-            defaults[name] = to_container(OmegaConf.structured(kind))
+            defaults[name] = dict.fromkeys(value, suite_default)
+        elif dataclasses.is_dataclass(hints.get(name)):
+            defaults[name] = to_container(OmegaConf.structured(hints[name]))
         else:
-            field_ = next((f for f in dataclasses.fields(Config) if f.name == name), None)
-            defaults[name] = field_.default if field_ is not None else _NOT_SET
+            defaults[name] = fields[name].default if name in fields else _NOT_SET
     return defaults
 
 
