@@ -11,7 +11,7 @@ import pytest
 
 from lab.config import aux_layers, compose
 
-MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+MICRO = ["profile=micro"]
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 
 from lab import track
 
-MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+MICRO = ["profile=micro"]
 STORE = "<store>"  # where a row's command takes the overrides that point it at the recorded store
 RUN_ID = "0123456789abcdef0123456789abcdef"  # an id the store does not hold
 DEAD_SERVER = "http://127.0.0.1:1"  # nothing listens on port 1: connection refused at once

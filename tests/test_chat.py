@@ -104,4 +104,4 @@ def test_jsonl_suite_reads_prompts_and_conversations(micro_cfg, micro_target, tm
 
 
 def _overrides(cfg) -> list[str]:
-    return ["target=micro", "data=micro", "train=quick", "eval=quick", f"cache_dir={cfg.cache_dir}"]
+    return ["profile=micro", f"cache_dir={cfg.cache_dir}"]

@@ -172,7 +172,7 @@ def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_
     from lab.preflight import preflight
     from lab.sweep import spec
 
-    micro = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+    micro = ["profile=micro"]
     missing = tmp_path / "nothing"
     cfg = compose([*micro, f"drafter.checkpoint={missing}"])
     with pytest.raises(ConfigError, match="^drafter.checkpoint: .*nothing.*missing"):
@@ -338,3 +338,9 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
     assert (tags["config_hash"], tags["config_hash_previous"]) == (config_hash(compose(overrides)), "0123456789ab")
     said = subprocess.run(doctor, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert "store:" not in said
+
+
+def test_the_micro_profile_is_the_micro_target_data_and_quick_budgets():
+    """`profile=micro` is one word for the four groups tests and smoke runs used to spell out."""
+    four = compose(["target=micro", "data=micro", "train=quick", "eval=quick", "drafter=eagle31"])
+    assert OmegaConf.to_container(compose(["profile=micro", "drafter=eagle31"])) == OmegaConf.to_container(four)

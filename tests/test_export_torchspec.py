@@ -14,7 +14,7 @@ import yaml
 from lab.cli import main
 from lab.config import compose, config_hash
 
-MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+MICRO = ["profile=micro"]
 TORCHSPEC_MISSING = "TorchSpec is not installed: docs/torchspec.md says how to install it and run this test"
 
 

@@ -410,7 +410,7 @@ def test_a_checkpoint_is_checked_before_any_target_and_its_own_norms_decide_vllm
     from lab.config import compose
     from lab.preflight import check_checkpoint, check_vllm_servable
 
-    overrides = ["target=micro", "data=micro", "train=quick", "eval=quick", f"cache_dir={tmp_path / 'cache'}"]
+    overrides = ["profile=micro", f"cache_dir={tmp_path / 'cache'}"]
     layernorm = save_native(source(fc_norm="per_layer", norm_type="layernorm"), tmp_path / "ln")
     cfg = compose([*overrides, "drafter=eagle31", f"drafter.checkpoint={layernorm}"])
     cfg.eval.backends = ["ref", "vllm"]  # set after composing: composing it needs vLLM installed
