@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from lab import metrics as keys
 from lab.config import ConfigError, compose, redact
 from lab.preflight import check_checkpoint, preflight
 
@@ -85,17 +86,23 @@ def cmd_run(overrides: list[str]) -> int:
         result = run(cfg)
     except FloatingPointError as exc:  # an expected outcome of a bad setting, not a bug: no traceback
         return _fail(f"training diverged: {exc} (the MLflow run ended FAILED with this as its tag `error`)", 1)
-    shown = {
-        k: v
-        for k, v in result.metrics.items()
-        if k.endswith(("/al", "/speedup")) and "." not in k.split("/")[1]  # suites, not their variants
-    }
-    for key in sorted(shown):
-        print(f"  {key:40s} {shown[key]:.3f}")
+    for key in sorted(_headline_keys(cfg) & result.metrics.keys()):
+        print(f"  {key:40s} {result.metrics[key]:.3f}")
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items()))
     print(f"MLflow run id: {result.run_id}   (store: {cfg.tracking.uri}; browse with `lab ui`)")
     print(result.run_id)
     return 0
+
+
+def _headline_keys(cfg: DictConfig) -> set[str]:
+    """What `lab run` prints: each suite's (not its variants') AL per backend and k, and its speedups."""
+    e, shown = cfg.eval, set()
+    for suite in e.suites:
+        for k in e.num_speculative_tokens:
+            shown |= {keys.acceptance_length(suite, k, backend) for backend in e.backends}
+            shown.add(keys.speedup(suite, k))
+            shown |= {keys.throughput_speedup(suite, k, c) for c in e.vllm.concurrency}
+    return shown
 
 
 def _named(overrides: list[str], key: str, example: str, choices: list[str]) -> tuple[str, list[str]]:

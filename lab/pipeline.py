@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lab import metrics as keys
 from lab import track
 from lab.config import (
     CONFIG_HASH_SCHEME,
@@ -155,11 +156,14 @@ def run(
         mlrun.log_dict(OmegaConf.to_container(logged, resolve=True, enum_to_str=True), "config.yaml")
         setup: dict[str, float] = {}
         if hidden is not None:
-            setup = {"cache/hit": float(hidden.stats["hit"]), "cache/seconds": hidden.stats["seconds"]}
+            setup = {
+                keys.cache_stat("hit"): float(hidden.stats["hit"]),
+                keys.cache_stat("seconds"): hidden.stats["seconds"],
+            }
             if hidden.stats.get("build_seconds") is not None:
-                setup["cache/build_seconds"] = hidden.stats["build_seconds"]
+                setup[keys.cache_stat("build_seconds")] = hidden.stats["build_seconds"]
         if "val_loss" in target.info:
-            setup["target/val_loss"] = target.info["val_loss"]
+            setup[keys.target_val_loss()] = target.info["val_loss"]
         setup.update(data_stats)
         if setup:
             mlrun.log_metrics(setup)
@@ -170,7 +174,7 @@ def run(
         else:
             drafter, tokens_per_s = _train(cfg, mlrun, target, hidden, layers, resume_dir, hooks, progress, seconds)
             if tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
-                metrics["train/final_tokens_per_s"] = tokens_per_s
+                metrics[keys.train_stat("final_tokens_per_s")] = tokens_per_s
         if t.log_checkpoint:  # an imported drafter too, in our format: `lab export RUN_ID` works alike
             with tempfile.TemporaryDirectory() as tmp:
                 mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
@@ -206,7 +210,7 @@ def run(
         rollout = heldout_evaluation(target, drafter, heldout, rollout_depth(cfg), seed=cfg.seed)
         final = dict(rollout.metrics)
         seconds["eval"] = time.time() - t0
-        final.update({f"time/{k}_s": v for k, v in seconds.items()})
+        final.update({keys.stage_seconds(k): v for k, v in seconds.items()})
         mlrun.log_curves(final)
         mlrun.log_dict(rollout.per_prompt, "per_prompt/rollout.json")
         metrics.update(final)

@@ -1,4 +1,4 @@
-"""Evaluate a drafter on suites with the reference decoder; returns metrics named as in docs/design.md.
+"""Evaluate a drafter on suites with the reference decoder; returns metrics named by lab/metrics.py.
 
 A value that is a list is a curve (logged with step = position 1..k). Beside the metrics, the counts
 behind them per prompt (per held-out sequence for the rollout), the `per_prompt/*.json` artifacts that
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from lab import metrics as keys
 from lab.data.suites import Suite
 from lab.data.text import Sequences
 from lab.drafter import Eagle3Drafter
@@ -109,7 +110,7 @@ def evaluate_suite_prompts(
     metrics = total.metrics(suite.name, temperature)
     if len(results) > 1:
         for variant, tally in results.items():
-            metrics.update(tally.metrics(f"{suite.name}.{variant}", temperature))
+            metrics.update(tally.metrics(keys.suite_variant(suite.name, variant), temperature))
     per_prompt = {
         "format": PER_PROMPT_FORMAT,
         "suite": suite.name,
@@ -140,18 +141,17 @@ class _Tally:
                 self.drift[k].merge(other.drift[k])
 
     def metrics(self, name: str, temperature: float) -> Metrics:
-        out: Metrics = {f"eval/{name}/ref/baseline_tokens_per_s": self.base_tokens / self.base_seconds}
+        out: Metrics = {keys.baseline_tokens_per_s(name): self.base_tokens / self.base_seconds}
         for k, st in self.stats.items():
-            prefix = f"eval/{name}/ref/k{k}"
-            out[f"{prefix}/al"] = st.acceptance_length
-            out[f"{prefix}/accept_rate"] = st.accept_rate
-            out[f"{prefix}/cond_accept_rate"] = st.conditional_accept_rate
-            out[f"{prefix}/tokens_per_s"] = st.generated / st.seconds
-            out[f"{prefix}/speedup"] = self.base_seconds / st.seconds
+            out[keys.acceptance_length(name, k)] = st.acceptance_length
+            out[keys.accept_rate(name, k)] = st.accept_rate
+            out[keys.cond_accept_rate(name, k)] = st.conditional_accept_rate
+            out[keys.tokens_per_s(name, k)] = st.generated / st.seconds
+            out[keys.speedup(name, k)] = self.base_seconds / st.seconds
             if temperature == 0:  # sampled outputs differ from the baseline's samples by design
-                out[f"{prefix}/exact_match"] = self.matches[k] / self.prompts
+                out[keys.exact_match(name, k)] = self.matches[k] / self.prompts
             if k in self.drift:
-                out.update({f"drift/{name}/k{k}/{c}": v for c, v in self.drift[k].curves().items()})
+                out.update({keys.drift(name, k, c): v for c, v in self.drift[k].curves().items()})
         return out
 
 
@@ -170,8 +170,8 @@ def heldout_evaluation(
     cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)
     top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
     hits, counted = rollout_counts(drafter, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask)
-    key = f"eval/{suite}/rollout/acc"
-    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), "drift/fc_share": fc_share(drafter, cap.aux)}
+    key = keys.rollout_accuracy(suite)
+    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), keys.fc_share(): fc_share(drafter, cap.aux)}
     sequences = [
         {"index": i, "id": prompt_id(ids), "hits": h, "counted": c}
         for i, (ids, h, c) in enumerate(

@@ -1,5 +1,5 @@
 """Evaluate a drafter in real vLLM: export it, run `lab.eval.vllm_worker` in a subprocess, name the
-metrics as docs/design.md does (`eval/{suite}/vllm/k{k}/...`, throughput `.../c{C}/speedup`).
+metrics by lab/metrics.py (`eval/{suite}/vllm/k{k}/...`, throughput `.../c{concurrency}/speedup`).
 
 This module never imports vllm itself; the worker does, in its own process.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from lab import metrics as keys
 from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
 from lab.eval.reference import DecodeStats
@@ -82,12 +83,12 @@ def evaluate(
             raise VllmError(f"vLLM worker exited with {returncode}: {_last_error(log_path)} (log: {log_path})")
         result = json.loads(result_path.read_text())
     metrics = metrics_from_result(result, suites, eval_cfg.temperature)
-    metrics["time/vllm_s"] = time.perf_counter() - start
+    metrics[keys.stage_seconds("vllm")] = time.perf_counter() - start
     return metrics
 
 
 def metrics_from_result(result: dict, suites: list[Suite], temperature: float = 0.0) -> Metrics:
-    out: Metrics = {f"eval/vllm/{k}": v for k, v in result["timings"].items()}  # startup_*_s, total_s, peak_rss_mb
+    out: Metrics = dict(result["timings"])  # the worker's start-ups, time and memory, already keyed
     for suite in suites:
         for k, res in result["results"][suite.name].items():
             variants = res["variants"]
@@ -98,17 +99,16 @@ def metrics_from_result(result: dict, suites: list[Suite], temperature: float = 
                 seconds += counts["seconds"]
                 tokens += stats.generated
                 if len(variants) > 1:
-                    out.update(_al_metrics(f"eval/{suite.name}.{variant}/vllm/k{k}", stats))
-            prefix = f"eval/{suite.name}/vllm/k{k}"
-            out.update(_al_metrics(prefix, pooled))
-            out[f"{prefix}/tokens_per_s"] = tokens / seconds
+                    out.update(_al_metrics(keys.suite_variant(suite.name, variant), k, stats))
+            out.update(_al_metrics(suite.name, k, pooled))
+            out[keys.tokens_per_s(suite.name, k, "vllm")] = tokens / seconds
             if temperature == 0:
-                out[f"{prefix}/exact_match"] = res["exact_match"]
+                out[keys.exact_match(suite.name, k, "vllm")] = res["exact_match"]
             for c, t in res["throughput"].items():
                 spec_tps, base_tps = t["spec_tokens"] / t["spec_s"], t["baseline_tokens"] / t["baseline_s"]
-                out[f"{prefix}/c{c}/tokens_per_s"] = spec_tps
-                out[f"{prefix}/c{c}/baseline_tokens_per_s"] = base_tps
-                out[f"{prefix}/c{c}/speedup"] = spec_tps / base_tps
+                out[keys.throughput_tokens_per_s(suite.name, k, c)] = spec_tps
+                out[keys.throughput_baseline_tokens_per_s(suite.name, k, c)] = base_tps
+                out[keys.throughput_speedup(suite.name, k, c)] = spec_tps / base_tps
     return out
 
 
@@ -121,11 +121,11 @@ def _stats(counts: dict) -> DecodeStats:
     )
 
 
-def _al_metrics(prefix: str, stats: DecodeStats) -> Metrics:
+def _al_metrics(suite: str, k: int, stats: DecodeStats) -> Metrics:
     return {
-        f"{prefix}/al": stats.acceptance_length,
-        f"{prefix}/accept_rate": stats.accept_rate,
-        f"{prefix}/cond_accept_rate": stats.conditional_accept_rate,
+        keys.acceptance_length(suite, k, "vllm"): stats.acceptance_length,
+        keys.accept_rate(suite, k, "vllm"): stats.accept_rate,
+        keys.cond_accept_rate(suite, k, "vllm"): stats.conditional_accept_rate,
     }
 
 

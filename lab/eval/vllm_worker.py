@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from lab import metrics as keys
+
 PROGRESS = "[lab-vllm]"
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -91,8 +93,8 @@ def run(job: dict) -> dict:
 
     t0 = time.perf_counter()
     base = LLM(model=job["target"], **engine)
-    timings["startup_baseline_s"] = time.perf_counter() - t0
-    say(f"target engine up in {timings['startup_baseline_s']:.0f}s")
+    timings[keys.vllm_worker("startup_baseline_s")] = up_s = time.perf_counter() - t0
+    say(f"target engine up in {up_s:.0f}s")
     generate(base, [job["suites"][0]["prompts"][0]], warm)
     reference = {s["name"]: generate(base, s["prompts"])[0] for s in job["suites"]}
 
@@ -104,8 +106,8 @@ def run(job: dict) -> dict:
             speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k},
             **engine,
         )
-        timings[f"startup_k{k}_s"] = time.perf_counter() - t0
-        say(f"k={k}: speculative engine up in {timings[f'startup_k{k}_s']:.0f}s")
+        timings[keys.vllm_startup_s(k)] = up_s = time.perf_counter() - t0
+        say(f"k={k}: speculative engine up in {up_s:.0f}s")
         generate(spec, [job["suites"][0]["prompts"][0]], warm)
         for suite in job["suites"]:
             res = results.setdefault(suite["name"], {}).setdefault(str(k), {"variants": {}, "throughput": {}})
@@ -158,9 +160,9 @@ def main(argv: list[str]) -> int:
     configure_environment(job)
     start = time.perf_counter()
     result = run(job)
-    result["timings"]["total_s"] = time.perf_counter() - start
+    result["timings"][keys.vllm_worker("total_s")] = time.perf_counter() - start
     # the worker's peak resident memory (Linux reports KiB): both engines, their KV caches, the models
-    result["timings"]["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["timings"][keys.vllm_worker("peak_rss_mb")] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0

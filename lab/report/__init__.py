@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab import metrics as keys
 from lab import track
 from lab.config import ConfigError
 from lab.report import figures as fig_mod
@@ -53,9 +54,8 @@ def _provenance(study: Study, command: str) -> list[str]:
     runs = study.runs + study.left_out
     commits = sorted({r.data.tags.get("git_commit", "unknown") for r in study.runs})
     hashes = sorted({r.data.tags.get("config_hash", "?") for r in study.runs})
-    val = sorted(
-        {f"{r.data.metrics['target/val_loss']:.3f}" for r in study.runs if "target/val_loss" in r.data.metrics}
-    )
+    val_loss = keys.target_val_loss()
+    val = sorted({f"{r.data.metrics[val_loss]:.3f}" for r in study.runs if val_loss in r.data.metrics})
     target = study.param("target.name") or "?"
     target_build = sorted({r.data.tags.get("target", "") for r in study.runs} - {""})
     p = study.parent

@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from lab import metrics as keys  # noqa: E402
 from lab.report.study import Arm, Study  # noqa: E402
 
 # Okabe & Ito (2008): distinguishable with every common colour-vision deficiency
@@ -110,10 +111,10 @@ def al_vs_depth(study: Study) -> tuple[plt.Figure, str]:
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            implied = [list(1 + np.cumsum(c)) for c in study.curves(arm, f"eval/{s}/{b}/k{k}/accept_rate")]
+            implied = [list(1 + np.cumsum(c)) for c in study.curves(arm, keys.accept_rate(s, k, b))]
             _band(ax, list(range(1, k + 1)), implied, i, arm.label)
             for kk in study.ks:
-                v = study.scalars(arm, f"eval/{s}/{b}/k{kk}/al")
+                v = study.scalars(arm, keys.acceptance_length(s, kk, b))
                 if v:
                     ax.errorbar(
                         kk,
@@ -140,7 +141,7 @@ def accept_rate(study: Study) -> tuple[plt.Figure, str]:
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            _band(ax, list(range(1, k + 1)), study.curves(arm, f"eval/{s}/{b}/k{k}/accept_rate"), i, arm.label)
+            _band(ax, list(range(1, k + 1)), study.curves(arm, keys.accept_rate(s, k, b)), i, arm.label)
         ax.set_title(s)
         ax.set_xlabel("draft position")
         ax.set_ylim(bottom=0)
@@ -153,10 +154,10 @@ def sink_self_mass(study: Study) -> tuple[plt.Figure, str]:
     k = study.ks[-1]
     fig, axes = _panels(len(study.suites), rows=2)
     for col, s in enumerate(study.suites):
-        for row, (metric, name) in enumerate([("sink_mass", "sink mass"), ("self_mass", "self mass")]):
+        for row, (curve, name) in enumerate([("sink_mass", "sink mass"), ("self_mass", "self mass")]):
             ax = axes[row][col]
             for i, arm in enumerate(study.arms):
-                _band(ax, list(range(1, k + 1)), study.curves(arm, f"drift/{s}/k{k}/{metric}"), i, arm.label)
+                _band(ax, list(range(1, k + 1)), study.curves(arm, keys.drift(s, k, curve)), i, arm.label)
             ax.set_title(s if row == 0 else "")
             ax.set_xlabel("drafting step" if row == 1 else "")
             if col == 0:
@@ -174,7 +175,7 @@ def norm_growth(study: Study) -> tuple[plt.Figure, str]:
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            _band(ax, list(range(1, k + 1)), study.curves(arm, f"drift/{s}/k{k}/norm_growth"), i, arm.label)
+            _band(ax, list(range(1, k + 1)), study.curves(arm, keys.drift(s, k, "norm_growth")), i, arm.label)
         ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
         ax.set_title(s)
         ax.set_xlabel("drafting step")
@@ -196,7 +197,8 @@ def al_vs_context(study: Study) -> tuple[plt.Figure, str] | None:
     x = [_length(v) for v in variants]
     for ax, k in zip(axes[0], study.ks, strict=True):
         for i, arm in enumerate(study.arms):
-            per_seed = [[r.data.metrics.get(f"eval/{s}.{v}/{b}/k{k}/al", np.nan) for v in variants] for r in arm.runs]
+            al = [keys.acceptance_length(keys.suite_variant(s, v), k, b) for v in variants]
+            per_seed = [[r.data.metrics.get(key, np.nan) for key in al] for r in arm.runs]
             _band(ax, x, per_seed, i, arm.label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(v) for v in x])
@@ -220,8 +222,8 @@ def al_per_template(study: Study) -> tuple[plt.Figure, str] | None:
     for ax, k in zip(axes[0], study.ks, strict=True):
 
         def value(arm: Arm, group: str, k: int = k) -> list[float]:
-            suite = "in_dist" if group.endswith("(trained)") else f"{s}.{group}"
-            return study.scalars(arm, f"eval/{suite}/{b}/k{k}/al")
+            suite = "in_dist" if group.endswith("(trained)") else keys.suite_variant(s, group)
+            return study.scalars(arm, keys.acceptance_length(suite, k, b))
 
         _bars(ax, groups, study, value)
         ax.set_title(f"k={k}")
@@ -231,7 +233,7 @@ def al_per_template(study: Study) -> tuple[plt.Figure, str] | None:
 
 
 def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
-    pattern = re.compile(r"^eval/([^/.]+)/vllm/k(\d+)/c(\d+)/speedup$")
+    pattern = re.compile("^" + keys.throughput_speedup(r"([^/.]+)", r"(\d+)", r"(\d+)") + "$")  # suite, k, C
     found = sorted({m.groups() for r in study.runs for key in r.data.metrics if (m := pattern.match(key))})
     if not found:
         return None
@@ -242,7 +244,7 @@ def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
     for ax, k in zip(axes[0], ks, strict=True):
 
         def value(arm: Arm, group: str, k: int = k) -> list[float]:
-            return study.scalars(arm, f"eval/{suite}/vllm/k{k}/c{group[2:]}/speedup")
+            return study.scalars(arm, keys.throughput_speedup(suite, k, int(group[2:])))
 
         _bars(ax, [f"C={c}" for c in cs], study, value)
         ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
@@ -254,7 +256,7 @@ def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
 
 
 def rollout_acc(study: Study) -> tuple[plt.Figure, str] | None:
-    key = "eval/in_dist/rollout/acc"
+    key = keys.rollout_accuracy("in_dist")
     if not study.has(key):
         return None
     fig, axes = _panels(1)
@@ -269,7 +271,7 @@ def rollout_acc(study: Study) -> tuple[plt.Figure, str] | None:
 
 
 def fc_share(study: Study) -> tuple[plt.Figure, str] | None:
-    key = "drift/fc_share"
+    key = keys.fc_share()
     if not study.has(key):
         return None
     layers = max(len(c) for arm in study.arms for c in study.curves(arm, key))

@@ -1,0 +1,235 @@
+"""The metric keys (lab/metrics.py): docs/design.md's catalogue and the builders agree both ways, the keys that
+the evaluation, the rollout, the vLLM worker and the trainer log are exactly the builders', and the keys stay
+those recorded runs hold. No target is built: a random Llama, a hand-built drafter and a stand-in for vLLM."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Literal, get_args, get_origin, get_type_hints
+
+import pytest
+
+from lab import metrics as keys
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTRACT = "## The metric contract"
+HEADER = "| key | builder | what |"
+NOT_KEYS = {"suite_variant"}  # builds a builder's `suite`, not a key
+
+
+def builders() -> dict[str, object]:
+    return {
+        name: fn
+        for name, fn in inspect.getmembers(keys, inspect.isfunction)
+        if fn.__module__ == keys.__name__ and not name.startswith("_") and name not in NOT_KEYS
+    }
+
+
+def patterns(fn) -> set[str]:
+    """What a builder returns with each argument written `{name}`, and a `Literal` one as each of its values."""
+    hints = get_type_hints(fn)
+    choices = [
+        get_args(hints[p]) if get_origin(hints[p]) is Literal else (f"{{{p}}}",)
+        for p in inspect.signature(fn).parameters
+    ]
+    return {fn(*args) for args in itertools.product(*choices)}
+
+
+def catalogue() -> list[tuple[list[str], str]]:
+    """(keys, builder) of every row of the key tables in docs/design.md's metric contract."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert CONTRACT in text, f"docs/design.md needs the section '{CONTRACT}'"
+    section = text.split(CONTRACT, 1)[1].split("\n## ", 1)[0]
+    rows, in_table = [], False
+    for line in section.splitlines():
+        if line.strip() == HEADER:
+            in_table = True
+        elif not line.startswith("|"):
+            in_table = False
+        elif in_table and not line.startswith("|---"):
+            key_cell, builder_cell = line.split("|")[1:3]
+            rows.append((re.findall(r"`([^`]+)`", key_cell), builder_cell.strip().strip("`")))
+    assert rows, f"no table '{HEADER}' under '{CONTRACT}' in docs/design.md"
+    return rows
+
+
+def test_the_catalogue_and_the_builders_agree_both_ways():
+    rows, found = catalogue(), builders()
+    unknown = sorted({b for _, b in rows} - set(found))
+    assert not unknown, f"docs/design.md names builders lab/metrics.py lacks: {unknown}"
+    undocumented = sorted(set(found) - {b for _, b in rows})
+    assert not undocumented, f"builders of lab/metrics.py without a row in docs/design.md: {undocumented}"
+    wrong = [
+        f"{k}: not what {b} builds ({', '.join(sorted(patterns(found[b])))})"
+        for ks, b in rows
+        for k in ks
+        if k not in patterns(found[b])
+    ]
+    assert not wrong, "docs/design.md's metric catalogue:\n" + "\n".join(wrong)
+    documented = [k for ks, _ in rows for k in ks]
+    assert len(documented) == len(set(documented)), "a key has two rows in docs/design.md"
+    missing = sorted({p for name, fn in found.items() for p in patterns(fn)} - set(documented))
+    assert not missing, f"keys lab/metrics.py builds that docs/design.md's catalogue lacks: {missing}"
+
+
+def test_keys_are_the_ones_recorded_runs_hold():
+    """Byte for byte what runs logged before lab/metrics.py existed (MLflow stores and reports read them)."""
+    template = keys.suite_variant("template", "chatml")
+    built = [
+        (keys.acceptance_length("in_dist", 3), "eval/in_dist/ref/k3/al"),
+        (keys.acceptance_length(template, 8, "vllm"), "eval/template.chatml/vllm/k8/al"),
+        (keys.accept_rate("in_dist", 3), "eval/in_dist/ref/k3/accept_rate"),
+        (keys.speedup("in_dist", 3), "eval/in_dist/ref/k3/speedup"),
+        (keys.throughput_speedup("in_dist", 3, 4), "eval/in_dist/vllm/k3/c4/speedup"),
+        (keys.rollout_accuracy(), "eval/in_dist/rollout/acc"),
+        (keys.drift("long_context.L1024", 8, "norm_growth"), "drift/long_context.L1024/k8/norm_growth"),
+        (keys.fc_share(), "drift/fc_share"),
+        (keys.vllm_worker("peak_rss_mb"), "eval/vllm/peak_rss_mb"),
+        (keys.vllm_startup_s(3), "eval/vllm/startup_k3_s"),
+        (keys.train_step_acc(2), "train/acc_2"),
+        (keys.train_stat("simulated_acc_len"), "train/simulated_acc_len"),
+        (keys.cache_stat("build_seconds"), "cache/build_seconds"),
+        (keys.stage_seconds("eval_in_dist"), "time/eval_in_dist_s"),
+        (keys.data_regen("generated_tokens"), "data/regen_generated_tokens"),
+        (keys.sweep_stat("cache_saving_share"), "sweep/cache_saving_share"),
+    ]
+    assert [b for b, _ in built] == [recorded for _, recorded in built]
+
+
+def test_a_family_refuses_a_member_it_lacks():
+    with pytest.raises(ValueError, match="no metric 'sink'.*sink_mass"):
+        keys.drift("in_dist", 3, "sink")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no metric 'hf'"):
+        keys.acceptance_length("in_dist", 3, "hf")  # type: ignore[arg-type]
+
+
+def test_the_backends_are_the_configs():
+    from lab.config import BACKENDS
+
+    assert get_args(keys.Backend) == BACKENDS
+
+
+def test_imports_nothing_of_lab_and_nothing_heavy():
+    code = "import sys, lab.metrics; print(' '.join(sorted(sys.modules)))"
+    loaded = set(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    )
+    assert not {m for m in loaded if m.startswith("lab.")} - {"lab.metrics"}
+    assert not loaded & {"torch", "numpy", "mlflow", "vllm", "optuna", "omegaconf", "hydra", "transformers"}
+
+
+def _suite_keys(suite: str, k: int, probes: bool) -> set[str]:
+    out = {keys.baseline_tokens_per_s(suite)}
+    out |= {f(suite, k) for f in (keys.acceptance_length, keys.accept_rate, keys.cond_accept_rate)}
+    out |= {keys.tokens_per_s(suite, k), keys.speedup(suite, k), keys.exact_match(suite, k)}
+    return out | ({keys.drift(suite, k, c) for c in get_args(keys.DriftCurve)} if probes else set())
+
+
+def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
+    """Every key a suite with two variants logs (pooled and per variant), and the held-out rollout's, is a
+    builder's, and no builder's key of theirs is missing."""
+    import torch
+    from helpers import small_drafter
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lab.data.suites import Suite
+    from lab.data.text import Sequences
+    from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    drafter = small_drafter(0)
+    prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7)]
+    suite = Suite("mix", prompts, ["a", "b", "a"], max_new_tokens=6)
+    logged = evaluate_suite_prompts(model, drafter, suite, [2], progress=False, probes=True).metrics
+    names = ["mix", keys.suite_variant("mix", "a"), keys.suite_variant("mix", "b")]
+    assert set(logged) == set().union(*(_suite_keys(s, 2, probes=True) for s in names))
+
+    target = SimpleNamespace(model=model, lm_head_weight=model.get_output_embeddings().weight)
+    held = heldout_evaluation(target, drafter, Sequences(torch.randint(0, 100, (2, 16)), torch.ones(2, 16)), depth=3)
+    assert set(held.metrics) == {keys.rollout_accuracy("in_dist"), keys.fc_share()}
+    assert held.per_prompt["metric"] == keys.rollout_accuracy("in_dist")
+
+
+def _fake_vllm() -> ModuleType:
+    """Just enough of vLLM's API for lab/eval/vllm_worker.py: engines that echo a fixed answer and count
+    drafts like a speculative engine."""
+
+    class LLM:
+        def __init__(self, model: str, speculative_config: dict | None = None, **engine):
+            self.calls = 0
+
+        def generate(self, prompts, params, use_tqdm=False):
+            self.calls += 1
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * params.max_tokens)]) for _ in prompts]
+
+        def get_metrics(self):
+            n = self.calls
+            return [
+                SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10 * n),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=5 * n),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[3 * n, 2 * n]),
+            ]
+
+    vllm = ModuleType("vllm")
+    vllm.__version__ = "0.0-fake"
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    vllm.inputs = ModuleType("vllm.inputs")
+    vllm.inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
+    return vllm
+
+
+def test_the_vllm_worker_and_backend_log_the_builders_keys(tmp_path, monkeypatch):
+    """The worker's result (run in this process against a stand-in for vLLM) turned into metrics: exactly the
+    builders' keys for a suite with two variants, two depths and two concurrencies, and the worker's own."""
+    from lab.data.suites import Suite
+    from lab.eval import vllm_backend, vllm_worker
+
+    fake = _fake_vllm()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", fake.inputs)
+    monkeypatch.setattr(vllm_worker, "configure_environment", lambda job: None)
+    suite = Suite("mix", [[5, 6, 7], [8, 9], [4, 4, 4, 4]], ["a", "b", "a"], max_new_tokens=4)
+    ks, cs = [2, 3], [1, 4]
+    job = {
+        "target": "t", "drafter": "d", "dtype": "float32", "ks": ks, "max_new_tokens": 4, "temperature": 0.0,
+        "concurrency": cs, "throughput_suites": ["mix"], "max_model_len": 64, "kv_cache_gib": 1, "threads": 1,
+        "seed": 0, "suites": [{"name": suite.name, "prompts": suite.prompts, "variants": suite.variants}],
+    }  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    assert vllm_worker.main([str(tmp_path / "job.json"), str(tmp_path / "result.json")]) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    logged = vllm_backend.metrics_from_result(result, [suite], temperature=0.0)
+
+    expected = {keys.vllm_worker(s) for s in get_args(keys.VllmWorkerStat)} | {keys.vllm_startup_s(k) for k in ks}
+    for k in ks:
+        for s in ["mix", keys.suite_variant("mix", "a"), keys.suite_variant("mix", "b")]:
+            expected |= {f(s, k, "vllm") for f in (keys.acceptance_length, keys.accept_rate, keys.cond_accept_rate)}
+        expected |= {keys.tokens_per_s("mix", k, "vllm"), keys.exact_match("mix", k, "vllm")}
+        for c in cs:
+            expected |= {f("mix", k, c) for f in (keys.throughput_tokens_per_s, keys.throughput_speedup)}
+            expected.add(keys.throughput_baseline_tokens_per_s("mix", k, c))
+    assert set(logged) == expected
+    assert logged[keys.acceptance_length("mix", 2, "vllm")] == pytest.approx(1.5)  # 1 + 5 / 10
+
+
+def test_the_trainer_logs_the_builders_keys():
+    from lab.train.ttt import _summarize
+
+    window = [{"loss": 2.0, "plosses": [1.0, 1.5, 2.0], "accs": [0.5, 0.4, 0.3]}] * 2
+    logged = _summarize(window, tokens_per_s=100.0, lr=1e-3)
+    expected = {keys.train_stat(s) for s in ("loss", "tokens_per_s", "lr", "simulated_acc_len")}
+    expected |= {f(i) for i in range(3) for f in (keys.train_step_loss, keys.train_step_acc)}
+    assert set(logged) == expected
