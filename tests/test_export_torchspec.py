@@ -61,7 +61,7 @@ def test_yaml_and_json_carry_the_arm(tmp_path, capsys, preset, fc_norm, norm_out
     assert ts["model"]["target_model_path"] == "${FILL_IN_target_model_path}"
     assert ts["dataset"]["train_data_path"] == "${FILL_IN_train_data_path}"
     printed = capsys.readouterr().out
-    assert "lab target build target=micro" in printed and "python -m torchspec.train_entry --config" in printed
+    assert "lab target build profile=micro" in printed and "python -m torchspec.train_entry --config" in printed
 
 
 def test_the_drafter_is_shaped_as_init_drafter_shapes_it():

@@ -295,7 +295,7 @@ def write(cfg: DictConfig, out: str | Path, overrides: list[str], source: str, d
     draft_json, train_yaml = out / DRAFT_JSON, out / TRAIN_YAML
     todo = []
     if target_path is None:
-        placed = [redact(o) for o in overrides if o.startswith(("target", "cache_dir"))]
+        placed = [redact(o) for o in overrides if o.startswith(("target", "profile", "cache_dir"))]
         build = " ".join(["lab target build", *placed])
         todo.append(
             f"model.target_model_path: the target is not built yet; run `{build}`, then export again "
