@@ -100,7 +100,7 @@ def _headline_keys(cfg: DictConfig) -> set[str]:
     for suite in e.suites:
         for k in e.num_speculative_tokens:
             shown |= {keys.acceptance_length(suite, k, backend) for backend in e.backends}
-            shown.add(keys.speedup(suite, k))
+            shown |= {keys.speedup(suite, k), keys.chain_limit(suite, k)}
             shown |= {keys.throughput_speedup(suite, k, c) for c in e.vllm.concurrency}
     return shown
 

@@ -94,6 +94,16 @@ def speedup(suite: str, k: int) -> str:
     return f"eval/{suite}/ref/k{k}/speedup"
 
 
+def draft_cost_ratio(suite: str, k: int) -> str:
+    """Reference decoder: `c`, the drafter's seconds per drafted token over the target's per plain-decoded token."""
+    return f"eval/{suite}/ref/k{k}/draft_cost_ratio"
+
+
+def chain_limit(suite: str, k: int) -> str:
+    """Reference decoder: the speedup a chain of k drafts allows at the measured AL and c, AL / (1 + k c)."""
+    return f"eval/{suite}/ref/k{k}/chain_limit"
+
+
 def baseline_tokens_per_s(suite: str) -> str:
     """Reference decoder: output tokens per second of plain decoding of the target."""
     return f"eval/{suite}/ref/baseline_tokens_per_s"

@@ -79,6 +79,29 @@ def test_trained_drafter_beats_untrained(micro_cfg, micro_target, trained_eagle3
     assert len(good["eval/in_dist/ref/k3/accept_rate"]) == 3
 
 
+def test_the_chain_limit_is_al_over_one_plus_k_c():
+    """`c` is the drafter's measured seconds per drafted token over the target's per plain-decoded token; the
+    chain limit AL / (1 + k c) is logged beside the speedup it bounds."""
+    stats = DecodeStats(rounds=4, accepted=6, draft_seconds=0.6)
+    assert stats.draft_cost_ratio(3, target_seconds_per_token=0.1) == pytest.approx(0.6 / 12 / 0.1)
+    from helpers import small_drafter
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lab.data.suites import Suite
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    suite = Suite("mix", [torch.randint(0, 100, (9,)).tolist()], ["a"], max_new_tokens=16)
+    m = evaluate_suite(LlamaForCausalLM(config).eval(), small_drafter(0), suite, [2, 4], progress=False)
+    for k in (2, 4):
+        c = m[f"eval/mix/ref/k{k}/draft_cost_ratio"]
+        assert c > 0
+        assert m[f"eval/mix/ref/k{k}/chain_limit"] == pytest.approx(m[f"eval/mix/ref/k{k}/al"] / (1 + k * c))
+
+
 def _chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> float:
     """Pearson chi-square goodness of fit; tokens with few expected counts are pooled into one bin."""
     n = counts.sum()
@@ -157,7 +180,7 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
         assert (rates / rounds).tolist() == pytest.approx(m[f"eval/mix/ref/k{k}/accept_rate"], rel=1e-12)
     # the same metrics as evaluate_suite's, but for the timings
     again = evaluate_suite(model, drafter, suite, ks, progress=False, probes=True, temperature=1.0, seed=3)
-    timed = ("tokens_per_s", "speedup")
+    timed = ("tokens_per_s", "speedup", "draft_cost_ratio", "chain_limit")
     assert {k: v for k, v in again.items() if not k.endswith(timed)} == {
         k: v for k, v in m.items() if not k.endswith(timed)
     }

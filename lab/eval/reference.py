@@ -33,6 +33,7 @@ class DecodeStats:
     accepted_at: list[int] = field(default_factory=list)  # accepted at draft position i (0-based)
     generated: int = 0
     seconds: float = 0.0
+    draft_seconds: float = 0.0  # of `seconds`: the drafter's forwards and lm_head, k per round
 
     def add_round(self, k: int, accepted: int) -> None:
         if not self.accepted_at:
@@ -51,11 +52,16 @@ class DecodeStats:
             self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at, strict=True)]
         self.generated += other.generated
         self.seconds += other.seconds
+        self.draft_seconds += other.draft_seconds
 
     @property
     def acceptance_length(self) -> float:
         """1 + accepted / drafts: counts the bonus token (vLLM's mean acceptance length)."""
         return 1.0 + self.accepted / max(1, self.rounds)
+
+    def draft_cost_ratio(self, k: int, target_seconds_per_token: float) -> float:
+        """`c`: the drafter's seconds per drafted token (k per round) over the target's per decoded token."""
+        return self.draft_seconds / max(1, self.rounds * k) / target_seconds_per_token
 
     @property
     def accept_rate(self) -> list[float]:
@@ -157,6 +163,7 @@ def speculative_decode(
     ctx_tokens, ctx_aux, ctx_start = prompt[1:] + [pending], cap.aux, 0
 
     while len(generated) < max_new_tokens:
+        drafting = time.perf_counter()
         positions = torch.arange(ctx_start, ctx_start + len(ctx_tokens))[None]
         h_out = drafter(torch.tensor([ctx_tokens]), drafter.project(ctx_aux), positions, dcache)[:, -1:]
         drafts: list[int] = []
@@ -173,6 +180,7 @@ def speculative_decode(
                 probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
             if j + 1 < k:
                 h_out = drafter(torch.tensor([[tok]]), fed_back, torch.tensor([[n + j]]), dcache)
+        stats.draft_seconds += time.perf_counter() - drafting
         verify = capture(target_model, torch.tensor([[pending] + drafts]), aux_layers, past_key_values=target_cache)
         accepted, bonus = _accept(drafts, draft_probs, verify.final[0] @ lm_head.T, temperature, generator)
         stats.add_round(k, accepted)

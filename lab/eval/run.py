@@ -148,6 +148,9 @@ class _Tally:
             out[keys.cond_accept_rate(name, k)] = st.conditional_accept_rate
             out[keys.tokens_per_s(name, k)] = st.generated / st.seconds
             out[keys.speedup(name, k)] = self.base_seconds / st.seconds
+            c = st.draft_cost_ratio(k, self.base_seconds / self.base_tokens)
+            out[keys.draft_cost_ratio(name, k)] = c
+            out[keys.chain_limit(name, k)] = st.acceptance_length / (1 + k * c)
             if temperature == 0:  # sampled outputs differ from the baseline's samples by design
                 out[keys.exact_match(name, k)] = self.matches[k] / self.prompts
             if k in self.drift:
