@@ -28,6 +28,7 @@ EPILOG = """examples:
   lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2   # the demo's quick study
   lab report experiment=drift_2x2           # its tables, figures and report.md again, from MLflow alone
   lab sweep sweep=toggles_grid --workers 2  # an Optuna study: every trial a child MLflow run, resumable
+  lab dashboard sweep=toggles_grid          # watch it in optuna-dashboard on 127.0.0.1:8080
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
   lab export torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
@@ -245,6 +246,7 @@ def cmd_target_build(overrides: list[str]) -> int:
     return 0
 
 
+STUDY_KINDS = ("sweep", "experiment")  # `lab dashboard sweep=NAME` / `experiment=NAME`
 TORCHSPEC_CONFIG = "torchspec-config"  # `lab export torchspec-config ...`: the mode, not a run id
 
 
@@ -467,6 +469,58 @@ def cmd_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from lab.sweep import dashboard, experiment, spec
+
+    named = {key: [o.split("=", 1)[1] for o in args.overrides if o.startswith(f"{key}=")] for key in STUDY_KINDS}
+    extra = [o for o in args.overrides if not o.startswith(tuple(f"{key}=" for key in STUDY_KINDS))]
+    if named["sweep"] and named["experiment"]:
+        raise ConfigError("experiment", "give sweep=NAME or experiment=NAME, not both")
+    if not (named["sweep"] or named["experiment"]):
+        if args.storage is None:
+            raise ConfigError(
+                "sweep",
+                "required: sweep=NAME, experiment=NAME or --storage URL, e.g. `lab dashboard sweep=toggles_grid`; "
+                f"sweeps: {', '.join(spec.available())}; experiments: {', '.join(experiment.available())}",
+            )
+        if extra:
+            key = extra[0].split("=", 1)[0]
+            raise ConfigError(key, "overrides pick a sweep's study: give sweep=NAME or experiment=NAME too")
+    if args.seeds is not None and not named["experiment"]:
+        raise ConfigError("--seeds", "only with experiment=NAME (the seeds `lab ablate --seeds` ran)")
+    sweep, verb = None, ""
+    if named["sweep"]:
+        sweep, verb = spec.load(named["sweep"][-1]), f"lab sweep sweep={named['sweep'][-1]}"
+    elif named["experiment"]:
+        exp = experiment.load(named["experiment"][-1], seeds_arg=args.seeds)
+        sweep, verb = exp.as_sweep(extra), f"lab ablate experiment={exp.name}"
+    url = args.storage if args.storage is not None else dashboard.study_storage(sweep, extra)
+    storage = dashboard.open_storage(url, "--storage" if args.storage is not None else "tracking.optuna_storage")
+    study = sweep.study_name(extra) if sweep is not None else None
+    if study is not None and study not in storage.studies:
+        held = ", ".join(sorted(storage.studies))
+        raise ConfigError(
+            sweep.source,
+            f"no study '{study}' in '{redact(url)}' (it holds {held}); `{verb}` with the same overrides starts "
+            f"it, --storage {redact(url)} shows the others",
+        )
+    server, port = dashboard.bind(args.port)
+    taken = f" ({dashboard.DEFAULT_PORT} is taken)" if args.port is None and port != dashboard.DEFAULT_PORT else ""
+    n = len(storage.studies)
+    studies = f"{n} stud{'y' if n == 1 else 'ies'}"
+    print(f"Optuna dashboard on http://{dashboard.HOST}:{port}/{taken} over {redact(url)} ({studies})")
+    if study is None and len(storage.studies) == 1:
+        study = next(iter(storage.studies))
+    if study is not None:
+        print(f"  study {study}: {dashboard.study_url(port, storage.studies[study])}")
+    print("  Ctrl-C stops it", flush=True)
+    try:
+        dashboard.serve(server, storage)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _wrap(*paragraphs: str) -> str:
     """Paragraphs for a RawDescriptionHelpFormatter, which keeps the line breaks it is given."""
     import textwrap
@@ -629,6 +683,28 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=5000)
     server.add_argument("--workers", type=int, default=2, help="server processes (default 2)")
     server.add_argument("overrides", nargs="*")
+    dash = sub.add_parser(
+        "dashboard",
+        help="optuna-dashboard over a sweep's or ablation's Optuna storage, on 127.0.0.1",
+        description=_wrap(
+            "Serve optuna-dashboard (trial history, parameters, importances, Pareto fronts, notes) on 127.0.0.1 "
+            "over the Optuna storage of `lab sweep sweep=NAME` or `lab ablate experiment=NAME` run with the same "
+            "overrides (the journal file beside the MLflow database, or tracking.optuna_storage), or over "
+            "--storage URL: a journal file or a database URL (sqlite:///..., postgresql://...). A study there "
+            "is shown as it runs; its page's URL is printed. Nothing is created: a storage that is not there "
+            "or holds no study (or not the named sweep's study) is refused.",
+        ),
+        epilog="examples:\n  lab dashboard sweep=toggles_grid\n"
+        "  lab dashboard sweep=toggles_grid profile=micro --port 8081\n"
+        "  lab dashboard experiment=drift_2x2 profile=quick --seeds 0,1\n"
+        "  lab dashboard --storage mlruns/optuna.journal\n"
+        "  lab dashboard --storage postgresql://user@host/optuna",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dash.add_argument("overrides", nargs="*", help="sweep=NAME or experiment=NAME, then the overrides it ran with")
+    dash.add_argument("--storage", help="an Optuna storage: a journal file or a database URL (all its studies)")
+    dash.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
+    dash.add_argument("--port", type=int, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
     return p
 
 
@@ -650,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         "doctor": lambda: cmd_doctor(args.overrides, args.rekey),
         "ui": lambda: cmd_ui(args),
         "server": lambda: cmd_server(args),
+        "dashboard": lambda: cmd_dashboard(args),
     }
     try:
         return handlers[args.verb]()

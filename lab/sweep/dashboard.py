@@ -1,0 +1,130 @@
+"""`lab dashboard`: optuna-dashboard over the Optuna storage of a sweep (`sweeps/NAME.yaml`), an ablation
+(`experiments/NAME.yaml`) or a storage given by URL, served on 127.0.0.1 only.
+
+The storage is read before anything is served, without creating anything: a journal file or sqlite
+database that is not there is not made (the dashboard would show an empty storage, and a later sweep
+would find a stray file), and no Optuna tables are created in a database. A storage that holds no study,
+or not the study that the sweep's spec and overrides name, is refused in one line. The server is
+optuna-dashboard's WSGI app (its public `wsgi()`) in a threaded wsgiref server, as its own command runs
+it, but bound here so that a busy port is known before the URL is printed."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from lab.config import OPTUNA_DB_PREFIXES, ConfigError, compose, redact
+from lab.sweep import optuna_adapter as adapter
+from lab.sweep.spec import Sweep, blame
+
+if TYPE_CHECKING:
+    import optuna
+
+HOST = "127.0.0.1"  # never another interface: the dashboard can rename, annotate and delete studies
+DEFAULT_PORT = 8080  # optuna-dashboard's own default; a free port when it is taken and none was asked for
+
+
+@dataclass
+class Storage:
+    """An opened Optuna storage and the studies it holds (name -> study id)."""
+
+    url: str
+    storage: optuna.storages.BaseStorage
+    studies: dict[str, int]
+
+
+def _journal_path(url: str) -> Path | None:
+    """The journal file `url` names, or None for a database URL (as lab/sweep/storage.py opens them)."""
+    return None if url.startswith(OPTUNA_DB_PREFIXES) else Path(url)
+
+
+def open_storage(url: str, key: str) -> Storage:
+    """Open the storage at `url` (a journal file path or a database URL) for reading, and list its
+    studies; a ConfigError naming `key` when it is not there, cannot be read or holds no study."""
+    import optuna
+
+    shown = redact(url)
+    if "://" in url and not url.startswith(OPTUNA_DB_PREFIXES):
+        scheme = url.split("://", 1)[0]
+        raise ConfigError(key, f"unknown database '{scheme}'; expected a journal file path or a database URL")
+    journal = _journal_path(url)
+    sqlite_file = Path(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None
+    for path in (journal, sqlite_file):
+        if path is not None and path.is_dir():
+            raise ConfigError(key, f"'{shown}' is a directory; expected a journal file or a database URL")
+        if path is not None and not path.is_file():
+            raise ConfigError(key, f"'{shown}': no such file, so no Optuna study yet (`lab sweep` makes one)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna's ExperimentalWarning for the journal storage
+        try:
+            if journal is not None:
+                storage = adapter.journal_storage(str(journal))
+            else:
+                # as optuna-dashboard opens a database: no tables made, any schema version shown
+                storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True, skip_table_creation=True)
+            names = [s.study_name for s in storage.get_all_studies()]
+            studies = {name: storage.get_study_id_from_name(name) for name in names}
+        except Exception as exc:  # a missing driver, a refused connection, no Optuna tables, not a database
+            while exc.__cause__ is not None:  # Optuna wraps the driver's error, which says what is wrong
+                exc = exc.__cause__
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            if "no such table" in first or ("relation" in first and "does not exist" in first):
+                raise ConfigError(key, f"'{shown}' has no Optuna tables, so no study yet ({first})") from None
+            raise ConfigError(key, f"cannot read Optuna studies from '{shown}': {first}") from None
+    if not studies:
+        raise ConfigError(key, f"'{shown}' holds no Optuna study yet (`lab sweep` makes one)")
+    return Storage(url, storage, studies)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # Ctrl-C does not wait for a browser's open requests
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # no line per request; errors still reach stderr through the server's handle_error
+
+
+def bind(port: int | None) -> tuple[_Server, int]:
+    """A server socket on 127.0.0.1: `port`, else 8080, else (8080 taken) a free port."""
+    for candidate in [port] if port is not None else [DEFAULT_PORT, 0]:
+        try:
+            server = _Server((HOST, candidate), _QuietHandler)
+        except OSError as exc:
+            if port is not None:
+                raise ConfigError("--port", f"cannot listen on {HOST}:{port}: {exc.strerror or exc}") from None
+            continue
+        return server, server.server_address[1]
+    raise ConfigError("--port", f"no free port on {HOST}")
+
+
+def serve(server: _Server, storage: Storage) -> None:
+    """Serve optuna-dashboard over the storage until interrupted."""
+    import optuna_dashboard
+
+    server.set_app(optuna_dashboard.wsgi(storage.storage))
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+def study_url(port: int, study_id: int) -> str:
+    return f"http://{HOST}:{port}/dashboard/studies/{study_id}"
+
+
+def study_storage(sweep: Sweep, extra: list[str]) -> str:
+    """The storage a `lab sweep` / `lab ablate` of `sweep` with overrides `extra` uses: its first point's
+    tracking.optuna_storage, or the journal file beside the MLflow database."""
+    from lab.sweep.storage import storage_url  # imports MLflow (a second): only once the spec has loaded
+
+    base = sweep.base_point()
+    try:
+        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+    except ConfigError as exc:
+        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'") from None
+    return storage_url(cfg)
