@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Debian's chromium + chromedriver for the `lab ui` browser test (needs root or sudo; skipped otherwise,
-# the test then skips unless LAB_REQUIRE_BROWSER=1, as in CI)
+# Debian's chromium + chromedriver for the browser tests of `lab ui` and `lab dashboard` (needs root or sudo; skipped otherwise,
+# the tests then skip unless LAB_REQUIRE_BROWSER=1, as in CI)
 browser:
-	bash scripts/install_browser.sh || echo "(no browser: tests/test_ui.py will skip)"
+	bash scripts/install_browser.sh || echo "(no browser: tests/test_ui.py and tests/test_dashboard.py will skip)"
 
 # Debian's PostgreSQL server for the multi-worker test (tests/test_postgres.py starts a private cluster on
 # 127.0.0.1 with scripts/postgres.sh; skipped without it unless LAB_REQUIRE_POSTGRES=1, as in CI)
