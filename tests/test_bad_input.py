@@ -116,6 +116,30 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("spec missing", ["sweep", "sweep={root}/missing.yaml", STORE], "{root}/missing.yaml", "no such file; expected"),
     ("spec not text", ["sweep", "sweep={root}/binary.yaml", STORE], "{root}/binary.yaml", "expected YAML (UTF-8)"),
     ("spec unknown key", ["sweep", "sweep={root}/typo.yaml", STORE], "{root}/typo.yaml: samplr", "allowed: "),
+    (
+        "spec heartbeat_s <= 0",
+        ["sweep", "sweep={root}/heartbeat.yaml", STORE],
+        "{root}/heartbeat.yaml: heartbeat_s",
+        "expected a number of seconds > 0, got 0",
+    ),
+    (
+        "spec heartbeat_s not a number",
+        ["sweep", "worker", "sweep={root}/heartbeat_text.yaml", STORE],
+        "{root}/heartbeat_text.yaml: heartbeat_s",
+        "expected a number of seconds > 0, got 'often'",
+    ),
+    (
+        "spec bad enum",
+        ["sweep", "sweep={root}/direction.yaml", STORE],
+        "{root}/direction.yaml: objectives[0].direction",
+        "expected one of maximize, minimize, got 'up'",
+    ),
+    (
+        "spec seeds not distinct",
+        ["sweep", "sweep={root}/seeds.yaml", STORE],
+        "{root}/seeds.yaml: seeds",
+        "expected a non-empty list of distinct integers, got [0, 0]",
+    ),
     ("unknown sweep", ["sweep", "sweep=nope", STORE], "sweep", "unknown sweep 'nope'; available: pareto_al_drift"),
     ("sweep --trials -1", ["sweep", "sweep=tpe_eagle3", "--trials", "-1", STORE], "--trials", "positive total"),
     ("sweep --workers -1", ["sweep", "sweep=tpe_eagle3", "--workers", "-1", STORE], "--workers", "got -1"),
@@ -202,6 +226,10 @@ def recorded(tmp_path_factory) -> Path:
     (root / "folder.yaml").mkdir()
     (root / "binary.yaml").write_bytes(b"\xff\xfe\x00\x81 not text")
     (root / "typo.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nsamplr: tpe\n")
+    (root / "heartbeat.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nheartbeat_s: 0\n")
+    (root / "heartbeat_text.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nheartbeat_s: often\n")
+    (root / "direction.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [{metric: x, direction: up}]\n")
+    (root / "seeds.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nseeds: [0, 0]\n")
     (root / "notamodel").mkdir()
     (root / "notamodel" / "README.md").write_text("weights elsewhere\n")
     (root / "broken.gguf").write_bytes(b"GGUF" + bytes(60))

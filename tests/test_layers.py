@@ -201,3 +201,70 @@ def test_the_design_states_the_same_rules():
         named = set(re.findall(r"`([a-z]+)`", may)) - {"lab"}  # "nothing of `lab`"
         stated[name.strip().strip("`")] = EVERYTHING if may.strip() == "everything" else named
     assert stated == ALLOWED
+
+
+# lab/sweep/ in the order its data flows: each module imports only those before it (docs/design.md says the same)
+SWEEP_ORDER = [
+    "schema",  # the spec files' structured schema: imports nothing of lab
+    "specfile",
+    "spec",
+    "experiment",
+    "optuna_adapter",  # the only module that touches Optuna's private API
+    "storage",
+    "queue",
+    "summary",
+    "heartbeat",
+    "trial",
+    "workers",
+    "engine",
+    "dashboard",
+]
+
+
+def test_sweep_modules_import_one_way():
+    sweep = {m for m in modules(LAB) if m.startswith("lab.sweep.")}
+    unplaced = sorted(m for m in sweep if m.removeprefix("lab.sweep.") not in SWEEP_ORDER)
+    assert not unplaced, f"place these in SWEEP_ORDER (and docs/design.md): {unplaced}"
+    rank = {f"lab.sweep.{name}": i for i, name in enumerate(SWEEP_ORDER)}
+    backwards = [
+        f"{where}: {a} -> {b}" for a, b, where in imports(LAB) if a in rank and b in rank and rank[b] >= rank[a]
+    ]
+    assert not backwards, "lab/sweep/ modules importing a later one (SWEEP_ORDER):\n" + "\n".join(backwards)
+
+
+def test_the_spec_schema_imports_nothing_of_lab():
+    assert [e for e in imports(LAB) if e[0] == "lab.sweep.schema"] == []
+
+
+# Optuna's private API: underscored attributes (`_trial_id`, ...) and what optuna.storages does not export
+OPTUNA_PRIVATE = {"get_storage"}
+
+
+def test_only_the_adapter_touches_optunas_private_api():
+    """Every private name of Optuna the workbench needs is used in lab/sweep/optuna_adapter.py, so that an
+    Optuna upgrade that changes them changes that file only."""
+    found = []
+    for name, path in modules(LAB).items():
+        tree = ast.parse(path.read_text(), str(path))
+        imports_optuna = any(
+            (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "optuna" for a in n.names))
+            or (isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "optuna")
+            for n in ast.walk(tree)
+        )
+        if name == "lab.sweep.optuna_adapter" or not imports_optuna:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and (
+                node.attr in OPTUNA_PRIVATE or (node.attr.startswith("_") and not node.attr.startswith("__"))
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert not found, "Optuna's private API outside lab/sweep/optuna_adapter.py:\n" + "\n".join(found)
+    adapter = (LAB / "sweep" / "optuna_adapter.py").read_text()
+    assert "._trial_id" in adapter and "get_storage(" in adapter  # the check above looks for the right names
+
+
+def test_the_design_states_the_same_sweep_order():
+    text = (ROOT / "docs" / "design.md").read_text()
+    bullet = " ".join(text.split("- Inside `lab/sweep/` data flows one way too", 1)[1].split("\n- ", 1)[0].split())
+    stated = re.findall(r"`([a-z_]+)`", bullet.split("before it in", 1)[1].split(". ", 1)[0])
+    assert stated == SWEEP_ORDER

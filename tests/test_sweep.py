@@ -15,8 +15,9 @@ import optuna
 import pytest
 
 from lab import track
-from lab.config import ConfigError
-from lab.sweep import engine, spec
+from lab.config import ConfigError, redact
+from lab.sweep import engine, experiment, queue, spec, storage
+from lab.sweep import optuna_adapter as adapter
 from lab.sweep.engine import launch
 from lab.sweep.spec import Sweep
 from lab.train.ttt import HOLD_ENV
@@ -60,26 +61,125 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
+GOOD = "space: {train.lr: [1]}\nobjectives: [x]\n"
+# (the spec, the key named after the file, the rest of the one line); the schema is lab/sweep/schema.py's SweepSpec
 BAD_SPECS = [
-    ("space: {train.lr: [1]}\nobjectives: [eval/in_dist/ref/k3/al]\nsamplr: tpe\n", "samplr: unknown key"),
-    ("space: {train.lr: {low: 1, high: 0}}\nobjectives: [x]\n", "space.train.lr: expected numbers low < high"),
-    ("space: {train.lr: {low: 0, high: 1, log: true}}\nobjectives: [x]\n", "a log range needs low > 0"),
-    ("space: {train.lr: [1]}\nobjectives: [x]\nsampler: nsga2\n", "nsga2 is for two or more objectives"),
-    ("space: {train.lr: [1]}\nobjectives: [x, y]\npruner: median\n", "prunes single-objective studies only"),
-    ("space: {train.lr: [1]}\nobjectives: [{metric: x, direction: up}]\n", "direction: 'up'; allowed"),
-    ("space: {train.lr: {low: 0.1, high: 1.0}}\nobjectives: [x]\nsampler: grid\n", "a grid needs a list"),
-    ("space: {train.lr: [1]}\nobjectives: [x]\nsampler: grid\ntrials: 3\n", "a grid runs every point x seed (1)"),
-    ("space: {train.lr: [1]}\nobjectives: [x]\nsampler: bayes\n", "sampler: expected one of tpe, random"),
-    ("space: {}\nobjectives: [x]\n", "space: expected a mapping"),
-    ("space: {train.lr: [1]}\n", "objectives: expected a list"),
+    # unknown keys
+    (GOOD + "samplr: tpe\n", "samplr", "unknown key; allowed: description, grace_s, heartbeat_s, max_retry"),
+    ("space: {train.lr: [1]}\nobjectives: [{metric: x, goal: up}]\n", "objectives[0].goal", "unknown key; allowed:"),
+    ("space: {train.lr: {low: 1, high: 2, scale: log}}\nobjectives: [x]\n", "space.train.lr.scale", "unknown key"),
+    # out of range
+    (GOOD + "heartbeat_s: 0\n", "heartbeat_s", "expected a number of seconds > 0, got 0"),
+    (GOOD + "heartbeat_s: -5\n", "heartbeat_s", "expected a number of seconds > 0, got -5"),
+    (GOOD + "grace_s: 0\n", "grace_s", "expected a number of seconds > 0, got 0"),
+    (GOOD + "heartbeat_s: 30\ngrace_s: 20\n", "grace_s", "expected more seconds than heartbeat_s (30)"),
+    (GOOD + "max_retry: -1\n", "max_retry", "expected an integer >= 0"),
+    (GOOD + "trials: 0\n", "trials", "expected a positive integer (the total budget of trials) or null, got 0"),
+    (GOOD + "seeds: [0, 0]\n", "seeds", "expected a non-empty list of distinct integers, got [0, 0]"),
+    (GOOD + "seeds: []\n", "seeds", "expected a non-empty list of distinct integers, got []"),
+    ("space: {train.lr: {low: 1, high: 0}}\nobjectives: [x]\n", "space.train.lr", "expected numbers low < high"),
+    (
+        "space: {train.lr: {low: 0, high: 1, log: true}}\nobjectives: [x]\n",
+        "space.train.lr",
+        "expected low > 0 for a log",
+    ),
+    ("space: {train.ttt_length: {low: 1, high: 7, step: 0}}\nobjectives: [x]\n", "space.train.ttt_length.step", "> 0"),
+    ("space: {train.lr: []}\nobjectives: [x]\n", "space.train.lr", "expected a non-empty list of values, got []"),
+    ("space: {}\nobjectives: [x]\n", "space", "expected a non-empty mapping of config key -> [values]"),
+    # wrong types
+    (GOOD + "heartbeat_s: often\n", "heartbeat_s", "expected a number of seconds > 0, got 'often'"),
+    (GOOD + "heartbeat_s: [1]\n", "heartbeat_s", "expected a number of seconds > 0, got [1]"),
+    (GOOD + "max_retry: 1.5\n", "max_retry", "expected an integer >= 0"),
+    (GOOD + "trials: many\n", "trials", "expected a positive integer"),
+    (GOOD + "seeds: [0, one]\n", "seeds", "expected a non-empty list of distinct integers, got [0, 'one']"),
+    (GOOD + "overrides: train.steps=3\n", "overrides", "expected a list of key=value overrides, got 'train.steps=3'"),
+    ("space: {train.lr: {low: small, high: 1}}\nobjectives: [x]\n", "space.train.lr.low", "expected a number or"),
+    ("space: {train.lr: {low: 1, high: 2, log: maybe}}\nobjectives: [x]\n", "space.train.lr.log", "true or false"),
+    ("space: {train.lr: 0.1}\nobjectives: [x]\n", "space.train.lr", "expected [values], {low, high[, log, step]}"),
+    ("space: {train.lr: {low: 1}}\nobjectives: [x]\n", "space.train.lr", "expected exactly one of [values], {low,"),
+    ("space: {train.lr: [1]}\n", "objectives", "expected a non-empty list of {metric: KEY, direction: maximize|"),
+    ("space: {train.lr: [1]}\nobjectives: [{direction: minimize}]\n", "objectives[0].metric", "got nothing"),
+    ("- a list\n", "", "expected a mapping with space, objectives, sampler, ..., got ['a list']"),
+    # bad enum values
+    (
+        "space: {train.lr: [1]}\nobjectives: [{metric: x, direction: up}]\n",
+        "objectives[0].direction",
+        "expected one of maximize, minimize, got 'up'",
+    ),
+    (
+        "space: {train.lr: [1]}\nobjectives: [{metric: x, reduce: median}]\n",
+        "objectives[0].reduce",
+        "one of last, mean, max, min",
+    ),
+    (GOOD + "sampler: bayes\n", "sampler", "expected one of tpe, random, grid, nsga2, got 'bayes'"),
+    (GOOD + "sampler: {name: bayes, seed: 0}\n", "sampler.name", "expected one of tpe, random, grid, nsga2"),
+    (GOOD + "pruner: always\n", "pruner", "expected one of none, median, percentile, hyperband, got 'always'"),
+    # combinations
+    (GOOD + "sampler: nsga2\n", "sampler", "nsga2 is for two or more objectives"),
+    ("space: {train.lr: [1]}\nobjectives: [x, y]\npruner: median\n", "pruner", "prunes single-objective studies only"),
+    (
+        "space: {train.lr: {low: 0.1, high: 1.0}}\nobjectives: [x]\nsampler: grid\n",
+        "space.train.lr",
+        "a grid needs a list",
+    ),
+    (GOOD + "sampler: grid\ntrials: 3\n", "trials", "a grid runs every point x seed (1)"),
 ]
 
 
-@pytest.mark.parametrize("text,message", BAD_SPECS)
-def test_bad_specs_fail_with_one_line(tmp_path, text, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
-        spec.load(str(_write(tmp_path, "bad", text)))
-    assert "\n" not in str(info.value)
+@pytest.mark.parametrize("text,key,message", BAD_SPECS, ids=[f"{c[1] or 'file'}-{i}" for i, c in enumerate(BAD_SPECS)])
+def test_bad_specs_fail_with_one_line_naming_the_file_and_key(tmp_path, text, key, message):
+    path = _write(tmp_path, "bad", text)
+    with pytest.raises(ConfigError) as info:
+        spec.load(str(path))
+    line = str(info.value)
+    assert "\n" not in line
+    assert line.startswith(f"{path}: {key}: " if key else f"{path}: "), line
+    assert message in line, line
+
+
+EXPERIMENT = "arms:\n  a: {label: A, overrides: [drafter=eagle3]}\n  b: {overrides: [drafter=eagle31]}\n"
+# the same for experiments (lab/sweep/schema.py's ExperimentSpec)
+BAD_EXPERIMENTS = [
+    (
+        EXPERIMENT + "seed: [1]\n",
+        "seed",
+        "unknown key; allowed: arms, baseline, description, figures, overrides, seeds",
+    ),
+    ("arms:\n  a: {label: A, overide: [drafter=eagle3]}\n", "arms.a.overide", "unknown key; allowed: label, overrides"),
+    (EXPERIMENT + "seeds: [1, 1]\n", "seeds", "expected a non-empty list of distinct integers, got [1, 1]"),
+    (EXPERIMENT + "seeds: []\n", "seeds", "expected a non-empty list of distinct integers, got []"),
+    (EXPERIMENT + "seeds: [0, x]\n", "seeds", "expected a non-empty list of distinct integers, got [0, 'x']"),
+    (EXPERIMENT + "overrides: train.steps=3\n", "overrides", "expected a list of key=value overrides"),
+    ("arms:\n  a: drafter=eagle3\n", "arms.a", "expected {label: ..., overrides: [key=value, ...]}, got 'drafter"),
+    ("arms:\n  a: {overrides: drafter=eagle3}\n", "arms.a.overrides", "expected a list of key=value overrides"),
+    ("arms: {}\n", "arms", "expected a non-empty mapping of arm name -> {label, overrides}, got {}"),
+    ("description: no arms\n", "arms", "expected a non-empty mapping of arm name -> {label, overrides}, got nothing"),
+    (EXPERIMENT + "baseline: c\n", "baseline", "expected one of the arms (a, b), got 'c'"),
+    (EXPERIMENT + "figures: al_vs_depth\n", "figures", "expected a list of strings, got 'al_vs_depth'"),
+]
+
+
+@pytest.mark.parametrize(
+    "text,key,message", BAD_EXPERIMENTS, ids=[f"{c[1]}-{i}" for i, c in enumerate(BAD_EXPERIMENTS)]
+)
+def test_bad_experiments_fail_with_one_line_naming_the_file_and_key(tmp_path, text, key, message):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        experiment.load("bad", tmp_path)
+    line = str(info.value)
+    assert "\n" not in line and line.startswith(f"experiments/bad.yaml: {key}: "), line
+    assert message in line, line
+
+
+def test_a_good_experiment_takes_the_schemas_defaults(tmp_path):
+    (tmp_path / "good.yaml").write_text(EXPERIMENT)
+    exp = experiment.load("good", tmp_path)
+    assert [(a.name, a.label) for a in exp.arms] == [("a", "A"), ("b", "b")]
+    assert exp.seeds == [0, 1, 2] and exp.baseline == "a" and exp.overrides == [] and exp.figures == []
+    with pytest.raises(ConfigError, match="^--seeds: expected distinct integers"):
+        experiment.load("good", tmp_path, seeds_arg="1,1")
+    sweep = exp.as_sweep([])
+    assert (sweep.heartbeat_s, sweep.grace_s, sweep.max_retry) == (20.0, 120.0, 2)  # the sweep schema's defaults
 
 
 def test_bad_points_and_objectives_fail_before_any_run(tmp_path, micro_overrides):
@@ -108,7 +208,7 @@ def test_study_identity_ignores_budget_and_placement():
     assert sweep.key(["target=micro", "train.steps=9"]) != key
     sweep.trials = 99
     assert sweep.key(["target=micro"]) == key
-    assert engine.redact("postgresql://me:secret@db:5432/optuna") == "postgresql://me:***@db:5432/optuna"
+    assert redact("postgresql://me:secret@db:5432/optuna") == "postgresql://me:***@db:5432/optuna"
 
 
 # ------------------------------------------------------------------------------- real sweeps (micro target)
@@ -130,7 +230,7 @@ def _launch(sweep: Sweep, extra: list[str], **kwargs):
 
 
 def _study(sweep: Sweep, extra: list[str]) -> optuna.Study:
-    return optuna.load_study(study_name=sweep.study_name(extra), storage=engine._open_storage(_journal(extra)))
+    return optuna.load_study(study_name=sweep.study_name(extra), storage=storage.open_storage(_journal(extra)))
 
 
 def _journal(extra: list[str]) -> str:
@@ -292,13 +392,13 @@ def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_peri
     )
     sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
     cfg = sweep.check(extra)
-    s = engine.open_session(sweep, extra, cfg, create=True)
-    engine.top_up(s, sweep.budget())
+    s = storage.open_session(sweep, extra, cfg, create=True)
+    queue.top_up(s, sweep.budget())
     # a worker on another machine took the only trial, stamped one heartbeat, and went silent
-    frozen = s.trials()[0]
-    assert s.storage.set_trial_state_values(frozen._trial_id, optuna.trial.TrialState.RUNNING)
-    s.storage.set_trial_user_attr(frozen._trial_id, "worker", "another-host:4242")
-    s.storage.set_trial_user_attr(frozen._trial_id, "heartbeat", time.time())
+    taken = adapter.claim(s.study, s.storage, s.trials()[0])
+    assert taken is not None
+    adapter.set_user_attr(s.storage, taken, "worker", "another-host:4242")
+    adapter.set_user_attr(s.storage, taken, "heartbeat", time.time())
     started = time.time()
     result = _launch(sweep, extra)
     trials = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
@@ -374,7 +474,7 @@ def test_a_non_finite_loss_fails_its_trial_with_the_reason_and_the_sweep_goes_on
     assert blown.user_attrs["error"].startswith("FloatingPointError: non-finite training loss at step")
     run = next(r for r in _children(extra, result.parent_run_id) if r.info.run_id == blown.user_attrs["mlflow_run_id"])
     assert run.info.status == "FAILED" and run.data.tags["error"] == blown.user_attrs["error"]
-    assert blown.number not in engine._retried(_study(sweep, extra).trials)  # a deterministic failure is not retried
+    assert blown.number not in adapter.retried(_study(sweep, extra).trials)  # a deterministic failure is not retried
     assert _launch(sweep, extra).ran == 0  # nor rerun by a rerun
 
 

@@ -1,5 +1,6 @@
 """Paper-style studies (`experiments/NAME.yaml`): arms as Hydra override deltas, seeds, suites, and
-the tables and figures they feed. Every arm x seed composes and validates before anything runs."""
+the tables and figures they feed. Every arm x seed composes and validates before anything runs. The keys,
+their types and defaults are lab/sweep/schema.py's `ExperimentSpec`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab.config import ConfigError, compose
-from lab.sweep.spec import Objective, Param, Sweep, blame, read_yaml
+from lab.sweep import specfile
+from lab.sweep.schema import ExperimentSpec
+from lab.sweep.spec import Objective, Param, Sweep, blame
+from lab.sweep.specfile import read_yaml
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
 
@@ -58,25 +62,18 @@ def available() -> list[str]:
 
 
 def load(name: str, folder: Path = EXPERIMENT_DIR, seeds_arg: str | None = None) -> Experiment:
-    """Read and check `experiments/NAME.yaml`; raises ConfigError naming the key and what is expected.
-    `seeds_arg` ("0,1", from the command line) replaces the experiment's seeds."""
+    """Read and check `experiments/NAME.yaml` against its schema (lab/sweep/schema.py `ExperimentSpec`); raises
+    ConfigError naming the file, the key and what is expected. `seeds_arg` ("0,1", from the command line)
+    replaces the experiment's seeds."""
     path = folder / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError("experiment", f"unknown experiment '{name}'; available: {', '.join(available())}")
     where = f"experiments/{name}.yaml"
-    spec = read_yaml(path, where)
-    if not isinstance(spec, dict) or not isinstance(spec.get("arms"), dict) or not spec["arms"]:
-        raise ConfigError(f"{where}: arms", "expected a mapping of arm name -> {label, overrides}")
-    allowed = {"description", "baseline", "seeds", "overrides", "arms", "figures"}
-    unknown = set(spec) - allowed
-    if unknown:
-        raise ConfigError(f"{where}: {sorted(unknown)[0]}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
-    arms = []
-    for arm_name, arm in spec["arms"].items():
-        if not isinstance(arm, dict) or not isinstance(arm.get("overrides", []), list):
-            raise ConfigError(f"{where}: arms.{arm_name}", "expected {label: ..., overrides: [key=value, ...]}")
-        arms.append(Arm(str(arm_name), str(arm.get("label", arm_name)), [str(o) for o in arm.get("overrides", [])]))
-    seeds = spec.get("seeds", [0, 1, 2])
+    spec = specfile.check(ExperimentSpec, read_yaml(path, where), where)
+    arms = [
+        Arm(str(arm_name), arm["label"] or str(arm_name), arm["overrides"]) for arm_name, arm in spec["arms"].items()
+    ]
+    seeds = spec["seeds"]
     if seeds_arg is not None:
         try:
             seeds = [int(s) for s in seeds_arg.split(",")]
@@ -84,17 +81,19 @@ def load(name: str, folder: Path = EXPERIMENT_DIR, seeds_arg: str | None = None)
             raise ConfigError(
                 "--seeds", f"expected integers separated by commas, e.g. 0,1; got '{seeds_arg}'"
             ) from None
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
-        raise ConfigError(f"{where}: seeds", f"expected a non-empty list of integers, got {seeds}")
-    baseline = str(spec.get("baseline", arms[0].name))
+        if len(set(seeds)) < len(seeds):
+            raise ConfigError("--seeds", f"expected distinct integers, e.g. 0,1; got '{seeds_arg}'")
+    baseline = spec["baseline"] or arms[0].name
     if baseline not in {a.name for a in arms}:
-        raise ConfigError(f"{where}: baseline", f"'{baseline}' is not an arm; arms: {', '.join(a.name for a in arms)}")
+        raise ConfigError(
+            f"{where}: baseline", f"expected one of the arms ({', '.join(a.name for a in arms)}), got '{baseline}'"
+        )
     return Experiment(
         name=name,
-        description=str(spec.get("description", "")),
+        description=spec["description"] or "",
         arms=arms,
         seeds=seeds,
         baseline=baseline,
-        overrides=[str(o) for o in spec.get("overrides", [])],
-        figures=[str(f) for f in spec.get("figures", [])],
+        overrides=spec["overrides"],
+        figures=spec["figures"],
     )

@@ -14,7 +14,9 @@ sampler, the pruner, the objective(s), seeds per point and the total trial budge
     seeds: [0]              # every point runs once per seed, each (point, seed) one trial
     trials: 24              # the TOTAL budget of trials (a grid: every point x seed, the default)
 
-An ablation (`experiments/NAME.yaml`) is the grid over one bundle parameter, `arm`.
+An ablation (`experiments/NAME.yaml`) is the grid over one bundle parameter, `arm`. The keys, their types,
+defaults and bounds are lab/sweep/schema.py's `SweepSpec`; a bad value fails in one line naming the file
+and the key (lab/sweep/specfile.py).
 """
 
 from __future__ import annotations
@@ -26,18 +28,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import DictConfig
 
 from lab.config import ConfigError, compose
 from lab.fsutil import short_hash
 from lab.preflight import check_checkpoint
+from lab.sweep import specfile
+from lab.sweep.schema import ParamSpec, SweepSpec
+from lab.sweep.specfile import read_yaml
 
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
-SAMPLERS = ("tpe", "random", "grid", "nsga2")
-PRUNERS = ("none", "median", "percentile", "hyperband")
-DIRECTIONS = ("maximize", "minimize")
-REDUCTIONS = ("last", "mean", "max", "min")  # how a curve (a metric logged per step) becomes one value
 PRUNE_METRIC = "train/simulated_acc_len"
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
 _PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
@@ -109,9 +109,10 @@ class Sweep:
     seeds: list[int] = field(default_factory=lambda: [0])
     trials: int | None = None  # None: a grid's size (points x seeds)
     study: str | None = None  # the MLflow experiment; None: the sweep's name
-    max_retry: int = 2  # a trial whose worker died is retried this many times
-    heartbeat_s: float = 20.0
-    grace_s: float = 120.0  # a running trial without a heartbeat for this long is stale
+    # the schema's defaults (an experiment's grid study has no keys of its own for these)
+    max_retry: int = SweepSpec.max_retry  # a trial whose worker died is retried this many times
+    heartbeat_s: float = SweepSpec.heartbeat_s
+    grace_s: float = SweepSpec.grace_s  # a running trial without a heartbeat for this long is stale
     source: str = ""  # the file it came from, named in errors
 
     def __post_init__(self) -> None:
@@ -250,8 +251,8 @@ def available(folder: Path = SWEEP_DIR) -> list[str]:
 
 
 def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
-    """Read and check `sweeps/NAME.yaml` (or NAME given as a path to a .yaml file); raises ConfigError
-    naming the key and what is expected."""
+    """Read and check `sweeps/NAME.yaml` (or NAME given as a path to a .yaml file) against its schema
+    (lab/sweep/schema.py `SweepSpec`); raises ConfigError naming the file, the key and what is expected."""
     if name.endswith((".yaml", ".yml")):
         path = Path(name)
         name, where = path.stem, name
@@ -265,39 +266,40 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
         path, where = folder / f"{name}.yaml", f"sweeps/{name}.yaml"
     if not path.is_file():
         raise ConfigError("sweep", f"unknown sweep '{name}'; available: {', '.join(available(folder))}")
-    spec = read_yaml(path, where)
-    if not isinstance(spec, dict):
-        raise ConfigError(where, "expected a mapping with space, objectives, sampler, ...")
-    allowed = {
-        "description", "space", "overrides", "sampler", "pruner", "objectives", "seeds", "trials", "study",
-        "max_retry", "heartbeat_s", "grace_s",
-    }  # fmt: skip
-    unknown = set(spec) - allowed
-    if unknown:
-        raise ConfigError(f"{where}: {sorted(unknown)[0]}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
-    space = spec.get("space")
-    if not isinstance(space, dict) or not space:
-        raise ConfigError(f"{where}: space", "expected a mapping of config key -> [values] or {low, high}")
+    raw = read_yaml(path, where)
+    if isinstance(raw, dict) and isinstance(raw.get("objectives"), (str, dict)):
+        raw = {**raw, "objectives": [raw["objectives"]]}  # one objective, not in a list
+    spec = specfile.check(SweepSpec, raw, where)
     sweep = Sweep(
         name=name,
-        space=[_param(f"{where}: space.{k}", str(k), v) for k, v in space.items()],
-        objectives=_objectives(f"{where}: objectives", spec.get("objectives")),
-        description=str(spec.get("description", "")),
-        overrides=_str_list(f"{where}: overrides", spec.get("overrides", [])),
-        sampler=_named(f"{where}: sampler", spec.get("sampler", "tpe"), SAMPLERS),
-        pruner=_named(f"{where}: pruner", spec.get("pruner", "none"), PRUNERS),
-        seeds=_seeds(f"{where}: seeds", spec.get("seeds", [0])),
-        trials=spec.get("trials"),
-        study=spec.get("study"),
-        max_retry=int(spec.get("max_retry", 2)),
-        heartbeat_s=float(spec.get("heartbeat_s", 20.0)),
-        grace_s=float(spec.get("grace_s", 120.0)),
+        space=[_param(where, str(k), p) for k, p in spec["space"].items()],
+        objectives=[Objective(o["metric"], o["direction"], o["reduce"]) for o in spec["objectives"]],
+        description=spec["description"] or "",
+        overrides=spec["overrides"],
+        sampler=_named(raw.get("sampler"), spec["sampler"]),
+        pruner=_named(raw.get("pruner"), spec["pruner"]),
+        seeds=spec["seeds"],
+        trials=spec["trials"],
+        study=spec["study"],
+        max_retry=spec["max_retry"],
+        heartbeat_s=spec["heartbeat_s"],
+        grace_s=spec["grace_s"],
         source=where,
     )
-    if sweep.trials is not None and (not isinstance(sweep.trials, int) or sweep.trials < 1):
-        raise ConfigError(f"{where}: trials", f"expected a positive integer (the total budget), got {sweep.trials!r}")
+    if sweep.grace_s <= sweep.heartbeat_s:
+        raise ConfigError(
+            f"{where}: grace_s",
+            f"expected more seconds than heartbeat_s ({sweep.heartbeat_s:g}): a live worker stamps its heartbeat "
+            f"every heartbeat_s, got {sweep.grace_s:g}",
+        )
     if sweep.is_grid:
-        sweep.points()  # a float range raises here
+        for p in sweep.space:
+            if p.kind == "float":
+                raise ConfigError(
+                    f"{where}: space.{p.name}",
+                    "a grid needs a list of values or an integer range, "
+                    f"not a float range (low={p.low!r} high={p.high!r})",
+                )
         if sweep.trials is not None and sweep.trials != sweep.budget():
             raise ConfigError(
                 f"{where}: trials", f"a grid runs every point x seed ({sweep.budget()}); drop trials or set it to that"
@@ -309,92 +311,33 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
     return sweep
 
 
-def read_yaml(path: Path, where: str) -> Any:
-    """The parsed YAML file; ConfigError naming `where` and the line when it cannot be read or parsed."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(where, "not a text file; expected YAML (UTF-8)") from None
-    except OSError as exc:
-        raise ConfigError(where, f"cannot be read ({exc.strerror or exc}); expected a readable YAML file") from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        raise ConfigError(where, f"not valid YAML ({at}{problem})") from None
-
-
-def _param(where: str, name: str, spec: Any) -> Param:
-    if isinstance(spec, list):
-        if not spec:
-            raise ConfigError(where, "expected a non-empty list of values")
+def _param(where: str, name: str, spec: dict[str, Any]) -> Param:
+    """A checked `ParamSpec` as a Param: exactly one of values, choices, or low and high."""
+    key = f"{where}: space.{name}"
+    is_range = spec["low"] is not None or spec["high"] is not None
+    forms = [spec["values"] is not None, spec["choices"] is not None, is_range]
+    if sum(forms) != 1 or (is_range and (spec["low"] is None or spec["high"] is None)):
+        given = {k: v for k, v in spec.items() if v is not None and not (k == "log" and v is False)}
+        raise ConfigError(key, f"expected exactly one of {ParamSpec.EXPECTED}, got {specfile.shown(given)}")
+    if spec["values"] is not None:
+        values = spec["values"]
         return Param(
-            name, "categorical", [v if isinstance(v, (str, int, float, bool)) else json.dumps(v) for v in spec]
+            name, "categorical", [v if isinstance(v, (str, int, float, bool)) else json.dumps(v) for v in values]
         )
-    if isinstance(spec, dict) and "choices" in spec:
+    if spec["choices"] is not None:
         bundles = spec["choices"]
-        if not isinstance(bundles, dict) or not bundles or not all(isinstance(v, list) for v in bundles.values()):
-            raise ConfigError(where, "choices: expected a mapping of name -> [overrides]")
-        return Param(name, "bundle", list(bundles), bundles={str(k): [str(o) for o in v] for k, v in bundles.items()})
-    if isinstance(spec, dict) and {"low", "high"} <= set(spec):
-        extra = set(spec) - {"low", "high", "step", "log"}
-        if extra:
-            raise ConfigError(where, f"unknown key '{sorted(extra)[0]}'; a range has low, high, step, log")
-        low, high = spec["low"], spec["high"]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or low >= high:
-            raise ConfigError(where, f"expected numbers low < high, got low={low!r} high={high!r}")
-        is_int = isinstance(low, int) and isinstance(high, int) and isinstance(spec.get("step", 1), int)
-        log = bool(spec.get("log", False))
-        if log and low <= 0:
-            raise ConfigError(where, f"a log range needs low > 0, got {low}")
-        return Param(name, "int" if is_int else "float", low=low, high=high, step=spec.get("step"), log=log)
-    raise ConfigError(where, "expected [values], {low, high[, log, step]} or {choices: {name: [overrides]}}")
+        return Param(name, "bundle", list(bundles), bundles=bundles)
+    low, high, step, log = spec["low"], spec["high"], spec["step"], spec["log"]
+    if low >= high:
+        raise ConfigError(key, f"expected numbers low < high, got low={low!r} high={high!r}")
+    if log and low <= 0:
+        raise ConfigError(key, f"expected low > 0 for a log range, got low={low!r}")
+    is_int = isinstance(low, int) and isinstance(high, int) and isinstance(1 if step is None else step, int)
+    return Param(name, "int" if is_int else "float", low=low, high=high, step=step, log=log)
 
 
-def _objectives(where: str, spec: Any) -> list[Objective]:
-    if isinstance(spec, (str, dict)):
-        spec = [spec]
-    if not isinstance(spec, list) or not spec:
-        raise ConfigError(where, "expected a list of {metric: KEY, direction: maximize|minimize}")
-    out = []
-    for i, o in enumerate(spec):
-        o = {"metric": o} if isinstance(o, str) else o
-        if (
-            not isinstance(o, dict)
-            or not isinstance(o.get("metric"), str)
-            or set(o) - {"metric", "direction", "reduce"}
-        ):
-            raise ConfigError(f"{where}[{i}]", "expected {metric: KEY, direction: maximize|minimize, reduce: last}")
-        obj = Objective(o["metric"], str(o.get("direction", "maximize")), str(o.get("reduce", "last")))
-        if obj.direction not in DIRECTIONS:
-            raise ConfigError(f"{where}[{i}].direction", f"'{obj.direction}'; allowed: {', '.join(DIRECTIONS)}")
-        if obj.reduce not in REDUCTIONS:
-            raise ConfigError(f"{where}[{i}].reduce", f"'{obj.reduce}'; allowed: {', '.join(REDUCTIONS)}")
-        out.append(obj)
-    return out
-
-
-def _named(where: str, spec: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
-    spec = {"name": spec} if isinstance(spec, str) else spec
-    if not isinstance(spec, dict) or spec.get("name") not in allowed:
-        raise ConfigError(where, f"expected one of {', '.join(allowed)} (or {{name: ..., options}}), got {spec!r}")
-    return dict(spec)
-
-
-def _seeds(where: str, seeds: Any) -> list[int]:
-    if (
-        not isinstance(seeds, list)
-        or not seeds
-        or not all(isinstance(s, int) for s in seeds)
-        or len(set(seeds)) < len(seeds)
-    ):
-        raise ConfigError(where, f"expected a non-empty list of distinct integers, got {seeds!r}")
-    return seeds
-
-
-def _str_list(where: str, items: Any) -> list[str]:
-    if not isinstance(items, list):
-        raise ConfigError(where, f"expected a list of key=value overrides, got {items!r}")
-    return [str(o) for o in items]
+def _named(raw: Any, checked: dict[str, Any]) -> dict[str, Any]:
+    """A checked sampler or pruner as {name: NAME, OPTION: VALUE, ...}, in the file's order."""
+    if not isinstance(raw, dict):
+        return {"name": checked["name"], **checked["options"]}
+    return {k: checked["name"] if k == "name" else checked["options"][k] for k in raw}

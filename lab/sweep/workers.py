@@ -1,0 +1,62 @@
+"""Worker subprocesses of `lab sweep --workers N`: each is `lab <worker_args> ...` (a `lab sweep worker`),
+its output forwarded line by line with its number; Ctrl-C reaches them, and none outlives the launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+
+class _Reader(threading.Thread):
+    """Forwards a worker subprocess's output line by line, prefixed with the worker's number."""
+
+    def __init__(self, proc: subprocess.Popen, prefix: str, log: Callable[[str], None]):
+        super().__init__(daemon=True)
+        self.proc, self.prefix, self.log = proc, prefix, log
+
+    def run(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log(self.prefix + line.rstrip())
+
+
+def _spawn(
+    worker_args: list[str], extra: list[str], threads: int | None, index: int, log: Callable[[str], None]
+) -> tuple[subprocess.Popen, _Reader]:
+    cmd = [sys.executable, "-m", "lab.cli", *worker_args, "--no-progress", *extra]
+    if threads:
+        cmd.append(f"threads={threads}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LAB_WORKER_INDEX": str(index)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    reader = _Reader(proc, f"[w{index}] ", log)
+    reader.start()
+    return proc, reader
+
+
+@contextlib.contextmanager
+def helpers(
+    worker_args: list[str], extra: list[str], threads: int | None, count: int, log: Callable[[str], None]
+) -> Iterator[None]:
+    """`count` worker subprocesses (numbered 1..count) for the duration of the block. An exception in the
+    block (Ctrl-C) interrupts them: each re-enqueues its trial and exits. At the end each is waited for
+    (a minute at most, then killed)."""
+    procs = [_spawn(worker_args, extra, threads, i, log) for i in range(1, count + 1)]
+    try:
+        yield
+    except BaseException:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # the worker re-enqueues its trial and exits
+        raise
+    finally:
+        for proc, reader in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=60)
+            if proc.poll() is None:
+                proc.kill()
+            reader.join(timeout=5)
