@@ -32,6 +32,7 @@ from typing import Any
 
 from optuna.trial import TrialState
 
+from lab import metrics as keys
 from lab import track
 from lab.config import ConfigError, compose, redact
 from lab.preflight import check_checkpoint
@@ -141,7 +142,7 @@ def launch(
     with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:
         s.parent_run_id = parent.id
         parent.log_params(spec_params(sweep, extra))
-        parent.log_metrics({"sweep/budget": budget})
+        parent.log_metrics({keys.sweep_stat("budget"): budget})
         s.study.set_user_attr("mlflow_parent_run_id", parent.id)
         s.study.set_user_attr("sweep", sweep.name)
         added = top_up(s, budget)

@@ -30,6 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from lab import metrics as keys
 from lab.config import ConfigError, compose
 from lab.fsutil import short_hash
 from lab.preflight import check_checkpoint
@@ -38,7 +39,7 @@ from lab.sweep.schema import ParamSpec, SweepSpec
 from lab.sweep.specfile import read_yaml
 
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
-PRUNE_METRIC = "train/simulated_acc_len"
+PRUNE_METRIC = keys.train_stat("simulated_acc_len")
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
 _PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
 
