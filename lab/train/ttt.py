@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from lab import metrics
+from lab import metrics as keys
 from lab.data.cache import HiddenStates
 from lab.drafter import Eagle3Drafter
 from lab.schedule import warmup_cosine
@@ -216,9 +216,9 @@ def train(
                 if log is not None:
                     log(last, done)
                 bar.set_postfix(
-                    loss=f"{last[metrics.train_stat('loss')]:.3f}",
-                    acc0=f"{last[metrics.train_step_acc(0)]:.2f}",
-                    sal=f"{last[metrics.train_stat('simulated_acc_len')]:.2f}",
+                    loss=f"{last[keys.train_stat('loss')]:.3f}",
+                    acc0=f"{last[keys.train_step_acc(0)]:.2f}",
+                    sal=f"{last[keys.train_stat('simulated_acc_len')]:.2f}",
                 )
                 window, window_tokens, window_start = [], 0, time.time()
             _hold(done, stop)
@@ -252,12 +252,12 @@ def _summarize(window: list[dict], tokens_per_s: float, lr: float) -> dict[str, 
     length = len(window[0]["accs"])
     accs = [sum(s["accs"][i] for s in window) / n for i in range(length)]
     summary = {
-        metrics.train_stat("loss"): sum(s["loss"] for s in window) / n,
-        metrics.train_stat("tokens_per_s"): tokens_per_s,
-        metrics.train_stat("lr"): lr,
-        metrics.train_stat("simulated_acc_len"): simulated_acc_len(accs),
+        keys.train_stat("loss"): sum(s["loss"] for s in window) / n,
+        keys.train_stat("tokens_per_s"): tokens_per_s,
+        keys.train_stat("lr"): lr,
+        keys.train_stat("simulated_acc_len"): simulated_acc_len(accs),
     }
     for i in range(length):
-        summary[metrics.train_step_loss(i)] = sum(s["plosses"][i] for s in window) / n
-        summary[metrics.train_step_acc(i)] = accs[i]
+        summary[keys.train_step_loss(i)] = sum(s["plosses"][i] for s in window) / n
+        summary[keys.train_step_acc(i)] = accs[i]
     return summary
