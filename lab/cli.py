@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from omegaconf import DictConfig
 
 from lab import metrics as keys
 from lab.config import ConfigError, compose, redact
-from lab.preflight import check_checkpoint, preflight
+from lab.preflight import check_checkpoint, check_target, preflight
+from lab.sweep.schema import MAX_TRIALS
 
 EPILOG = """examples:
   lab run                                   # defaults: SmolLM2 target, regenerated ShareGPT, EAGLE-3, TTT 3
@@ -45,6 +48,12 @@ def _studies() -> dict[str, str]:
     return {"experiments": " ".join(experiment.available()), "sweeps": " ".join(spec.available())}
 
 
+def validated(verb: str) -> None:
+    """Every verb calls this once all its checks have passed, right before its work starts (a run, a study, a
+    target build, writing a report or an export, serving). It does nothing: tests/test_fuzz_input.py replaces
+    it to stop a valid case there, so that it can try every verb's checks without doing any verb's work."""
+
+
 def _fail(message: str, code: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr)
     return code
@@ -63,17 +72,26 @@ def _reachable(uri: str) -> str:
     return uri
 
 
-def _study_reachable(sweep, extra: list[str]) -> None:
-    """The first point of a study composes (its drafter.checkpoint fits) and its store answers, before the
-    engine is even imported."""
+def _study_reachable(sweep, extra: list[str], every_point: bool = False) -> None:
+    """The first point of a study (with `every_point`: every point, its objectives and its budget, as the
+    engine checks them) composes, its drafter.checkpoint fits and its store answers, before the engine is even
+    imported."""
     from lab.sweep.spec import blame
 
-    base = sweep.base_point()
-    try:
-        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
-        check_checkpoint(cfg)
-    except ConfigError as exc:  # the error the engine's check would raise for this point
-        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'") from None
+    if every_point:
+        cfg = sweep.check(extra)
+        from lab.sweep import storage  # Optuna's: the sampler and pruner take the spec's options
+
+        storage.sampler(sweep, 0, 0)
+        storage.pruner(sweep)
+    else:
+        base = sweep.base_point()
+        try:
+            cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+            check_target(cfg)
+            check_checkpoint(cfg)
+        except ConfigError as exc:  # the error the engine's check would raise for this point
+            raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
     _reachable(cfg.tracking.uri)
 
 
@@ -81,6 +99,7 @@ def cmd_run(overrides: list[str]) -> int:
     cfg = compose(overrides)
     preflight(cfg)
     _reachable(cfg.tracking.uri)
+    validated("run")
     from lab.pipeline import run
 
     try:
@@ -124,12 +143,16 @@ def _worker_mode(overrides: list[str]) -> tuple[bool, list[str]]:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from lab.sweep import spec
 
-    if args.trials is not None and args.trials < 1:  # 0 would silently mean the spec's budget
-        raise ConfigError("--trials", f"must be a positive total budget of trials, got {args.trials}")
     worker, overrides = _worker_mode(args.overrides)
+    if worker:
+        _worker_options(args, "sweep")
     name, extra = _named(overrides, "sweep", "lab sweep sweep=toggles_grid", spec.available())
     sweep = spec.load(name)
-    _study_reachable(sweep, extra)
+    _study_reachable(sweep, extra, every_point=not worker)
+    if not worker:
+        sweep.budget(args.trials)
+    workers = _capped_workers(args)
+    validated("sweep worker" if worker else "sweep")
     from lab.sweep import engine  # after the checks: it imports torch, MLflow and Optuna (seconds)
 
     if worker:
@@ -139,11 +162,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         sweep,
         extra,
         ["sweep", "worker", f"sweep={name}"],
-        workers=args.workers,
+        workers=workers,
         trials=args.trials,
         progress=not args.no_progress,
     )
-    if args.workers == 0:
+    if workers == 0:
         print(result.summary)
         return 0
     c = result.counts
@@ -156,15 +179,72 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(exp, extra: list[str], uri: str, parent_run_id: str, out: str | None, seeds_arg: str | None):
-    """Write the experiment's report for the study under `parent_run_id` in store `uri`."""
+def _study(exp, uri: str, parent_run_id: str, only_seeds: list[int] | None = None):
+    """The study under `parent_run_id` in store `uri`, as the experiment's report reads it (with `only_seeds`,
+    the runs of those seeds alone)."""
+    from lab import report
+
+    arms = [(a.name, a.label) for a in exp.arms]
+    return report.load(uri, parent_run_id, exp.name, exp.description, arms, exp.baseline, exp.seeds, only_seeds)
+
+
+def _parent_of(exp, uri: str, run_id: str, extra: list[str]) -> str:
+    """`--run RUN_ID`, once it is the parent run of a study of the experiment (not a child run, nor another
+    study's): a run that is not would make an empty report."""
+    from lab import track
+
+    sweep = exp.as_sweep(extra)
+    parents = track.study_parents(uri, sweep.experiment, exp.name)
+    if any(p.info.run_id == run_id for p in parents):
+        return run_id
+    try:
+        track.get_run(uri, run_id)
+    except ValueError as exc:
+        raise ConfigError("--run", f"{exc}; expected {_parents_said(exp, parents)}") from None
+    raise ConfigError(
+        "--run",
+        f"run '{run_id}' is not the parent run of a study of {exp.name}; expected {_parents_said(exp, parents)}",
+    )
+
+
+def _parents_said(exp, parents: list) -> str:
+    if not parents:
+        return (
+            f"the parent run of a study of {exp.name}, and the store has none (run `lab ablate experiment={exp.name}`)"
+        )
+    shown = ", ".join(f"{p.info.run_id} ({p.data.tags.get('optuna_study', '?')})" for p in parents[:5])
+    return f"one of the parent runs of its studies: {shown}" + (
+        f" and {len(parents) - 5} more" if len(parents) > 5 else ""
+    )
+
+
+def _seeds_found(study, asked: list[int], option: str = "--seeds") -> str:
+    """--seeds that match no finished run are an error naming the seeds there are; some missing, a note
+    (returned)."""
+    have = study.recorded_seeds
+    found = [s for s in asked if s in have]
+    where = f"study {study.parent.data.tags.get('optuna_study', study.parent.info.run_id)}"
+    if not found:
+        raise ConfigError(
+            option,
+            f"no finished run of seed {', '.join(map(str, asked))} in {where}; expected some of the seeds it has: "
+            f"{', '.join(map(str, have)) or 'none'}",
+        )
+    missing = [s for s in asked if s not in have]
+    if not missing:
+        return ""
+    return (
+        f"{option}: seed {', '.join(map(str, missing))} has no finished run in {where}; reporting "
+        f"seed {', '.join(map(str, found))}"
+    )
+
+
+def _report(exp, extra: list[str], study, out: str | None, seeds_arg: str | None):
+    """Write the experiment's report of `study`."""
     from pathlib import Path
 
     from lab import report
 
-    study = report.load(
-        uri, parent_run_id, exp.name, exp.description, [(a.name, a.label) for a in exp.arms], exp.baseline, exp.seeds
-    )
     command = " ".join(
         ["lab report", f"experiment={exp.name}", *([f"--seeds {seeds_arg}"] if seeds_arg else []), *extra]
     )
@@ -175,10 +255,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from lab.sweep import experiment
 
     worker, overrides = _worker_mode(args.overrides)
+    if worker:
+        _worker_options(args, "ablate")
     name, extra = _named(overrides, "experiment", "lab ablate experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
     sweep = exp.as_sweep(extra)
-    _study_reachable(sweep, extra)
+    _study_reachable(sweep, extra, every_point=not worker)
+    workers = _capped_workers(args)
+    validated("ablate worker" if worker else "ablate")
     from lab.sweep import engine  # after the checks: it imports torch, MLflow and Optuna (seconds)
 
     if worker:
@@ -188,12 +272,12 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         print(f"the study is done; its report: lab report experiment={name} {' '.join(seeds + overrides)}")
         return 0
     worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
-    result = engine.launch(sweep, extra, worker_args, workers=args.workers, progress=not args.no_progress)
-    if args.workers == 0:
+    result = engine.launch(sweep, extra, worker_args, workers=workers, progress=not args.no_progress)
+    if workers == 0:
         print(result.summary)
         return 0
     uri = compose([*exp.overrides, *extra]).tracking.uri
-    rep = _report(exp, extra, uri, result.parent_run_id, None, args.seeds)
+    rep = _report(exp, extra, _study(exp, uri, result.parent_run_id), None, args.seeds)
     print(f"\n{rep.main_table()}")
     c = result.counts
     print(
@@ -211,16 +295,20 @@ def cmd_report(args: argparse.Namespace) -> int:
     name, extra = _named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
     uri = _reachable(compose([*exp.overrides, *extra]).tracking.uri)
-    parent = args.run
-    if parent is None:
+    notes = []  # said once every check has passed: an error is the command's one line
+    if args.run is not None:
+        parent = _parent_of(exp, uri, args.run, extra)
+    else:
         sweep = exp.as_sweep(extra)
         parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-    try:
-        rep = _report(exp, extra, uri, parent, args.out, args.seeds)
-    except ValueError as exc:
-        return _fail(f"--run: {exc}")
+        notes.append(note)
+    study = _study(exp, uri, parent, exp.seeds if args.seeds is not None else None)
+    if args.seeds is not None:
+        notes.append(_seeds_found(study, exp.seeds))
+    validated("report")
+    for note in filter(None, notes):
+        print(f"note: {note}", file=sys.stderr)
+    rep = _report(exp, extra, study, args.out, args.seeds)
     print(rep.main_table())
     for t in rep.tables:
         print(f"table  {rep.folder / 'tables' / t.name}.{{md,tex,csv}}")
@@ -232,6 +320,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_target_build(overrides: list[str]) -> int:
     cfg = compose(overrides)
+    check_target(cfg)
+    validated("target build")
     from lab.pipeline import set_threads
     from lab.target import load
 
@@ -279,7 +369,7 @@ def _experiment_arm(args: argparse.Namespace, extra: list[str]) -> tuple[DictCon
     try:
         cfg = compose(overrides)
     except ConfigError as exc:
-        raise blame(exc, f"experiments/{exp.name}.yaml point '{args.arm}'") from None
+        raise blame(exc, f"experiments/{exp.name}.yaml point '{args.arm}'", extra) from None
     return cfg, overrides, f"experiments/{exp.name}.yaml arm {args.arm} (seed {seed})"
 
 
@@ -296,6 +386,8 @@ def cmd_export_torchspec(args: argparse.Namespace) -> int:
         source = f"`{' '.join(['lab run', *(redact(o) for o in overrides)])}`"
         cfg = compose(overrides)
     try:
+        torchspec_config.check_supported(cfg)
+        validated("export torchspec-config")
         result = torchspec_config.write(cfg, args.out, overrides, source, args.data)
     except ConfigError as exc:  # an arm TorchSpec cannot train: say which arm
         if args.experiment is None:
@@ -342,11 +434,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             try:
                 source, tags = track.run_checkpoint(uri, args.source, tmp)
             except ValueError as exc:
-                return _fail(str(exc))
+                return _fail(f"SOURCE: {exc}")
         try:
             drafter = load_checkpoint(source)
         except (OSError, ValueError, KeyError) as exc:
-            return _fail(f"{source}: not a drafter checkpoint ({exc})")
+            return _fail(
+                f"SOURCE: {source}: not a drafter checkpoint ({exc}); expected a folder with config.json and "
+                "model.safetensors"
+            )
         reason = vllm_incompatibility(drafter.spec)
         if reason:
             return _fail(f"cannot export for vLLM: {reason}")
@@ -354,6 +449,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         formats = ["native", "speculators"] if fmt == "both" else [fmt]
         if "speculators" in formats and not verifier:
             return _fail("--verifier: required for the speculators format (the target model's path)")
+        validated("export")
         out = Path(args.out)
         for fmt in formats:
             where = out / fmt if len(formats) > 1 else out
@@ -379,6 +475,7 @@ def cmd_doctor(overrides: list[str], rekey: bool = False) -> int:
     from pathlib import Path
 
     cfg = compose(overrides)
+    validated("doctor")
     print("packages:")
     for name in (
         "torch",
@@ -445,6 +542,7 @@ def _check_hash_scheme(uri: str, rekey: bool) -> None:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     cfg = compose(args.overrides)
+    validated("ui")
     from lab import track
 
     track.configure(cfg.tracking.uri)
@@ -462,7 +560,9 @@ def cmd_server(args: argparse.Namespace) -> int:
     backend, root = cfg.tracking.uri, cfg.tracking.artifact_root
     if track.is_server(backend):
         return _fail("tracking.uri: the server's own store is needed, e.g. postgresql://USER:PW@HOST/lab_mlflow")
-    cmd = track.server_command(backend, root, args.host, args.port, args.workers)
+    workers = _capped_workers(args)
+    validated("server")
+    cmd = track.server_command(backend, root, args.host, args.port, workers)
     print(f"MLflow tracking server on http://{args.host}:{args.port}: store {redact(backend)}, artifacts in {root}")
     print(f"  workers log to it with: tracking.uri=http://{args.host}:{args.port}")
     os.execvpe(cmd[0], cmd, {**track.ui_environment(), **os.environ})
@@ -504,6 +604,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             f"no study '{study}' in '{redact(url)}' (it holds {held}); `{verb}` with the same overrides starts "
             f"it, --storage {redact(url)} shows the others",
         )
+    validated("dashboard")
     server, port = dashboard.bind(args.port)
     taken = f" ({dashboard.DEFAULT_PORT} is taken)" if args.port is None and port != dashboard.DEFAULT_PORT else ""
     n = len(storage.studies)
@@ -521,6 +622,91 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `error: OPTION: what is expected`, and exit code 2 (`lab VERB -h`
+    shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {_one_line(message)} (see `{self.prog} -h`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _one_line(message: str) -> str:
+    """argparse's message said as the workbench says its errors: the option first, then what is expected."""
+    m = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
+    if m is None:
+        if (bad := re.fullmatch(r"the following arguments are required: (.*)", message)) is not None:
+            return f"{bad.group(1)}: required"
+        if (bad := re.fullmatch(r"unrecognized arguments: (.*)", message)) is not None:
+            return f"{bad.group(1)}: unrecognized; expected the verb's options or key=value overrides"
+        return message
+    option, text = m.group(1).split("/")[-1], m.group(2)
+    if (bad := re.fullmatch(r"invalid (\w+) value: (.*)", text)) is not None:
+        kind = {"int": "an integer", "float": "a number"}.get(bad.group(1), bad.group(1))
+        return f"{option}: expected {kind}, got {bad.group(2)}"
+    if (bad := re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", text)) is not None:
+        return f"{option}: expected one of {bad.group(2).replace(chr(39), '')}, got {bad.group(1)}"
+    if text.startswith("expected one argument"):
+        return f"{option}: expected a value after it"
+    if (bad := re.fullmatch(r"ignored explicit argument (.*)", text)) is not None:
+        return f"{option}: a flag, expected no value, got {bad.group(1)}"
+    return f"{option}: {text}"
+
+
+def _integer(low: int, high: int | None = None, what: str = "an integer") -> Callable[[str], int]:
+    """An argparse type: an integer in low..high, else one line saying so."""
+
+    def parse(text: str) -> int:
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} {bound}, got '{text}'") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what} {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _host(text: str) -> str:
+    """An argparse type: a host name or IP address to bind (an empty one would mean every interface)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.:\[\]%-]+", text) or text.startswith("-"):
+        raise argparse.ArgumentTypeError(f"expected a host name or IP address such as 127.0.0.1, got '{text}'")
+    return text
+
+
+PORT = _integer(1, 65535, "a port")
+
+
+def _path(text: str) -> str:
+    """An argparse type: a file or folder path (an empty one would mean the current folder, unsaid)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got ''")
+    return text
+
+
+def _capped_workers(args: argparse.Namespace, option: str = "--workers") -> int:
+    """`--workers`, capped at the machine's cores (one line says so) unless --force keeps it."""
+    cores = os.cpu_count() or 1
+    workers = 1 if args.workers is None else args.workers
+    if workers > cores and not args.force:
+        print(f"{option} {workers}: capped at {cores}, this machine's cores (--force keeps {workers})")
+        return cores
+    return workers
+
+
+def _worker_options(args: argparse.Namespace, verb: str) -> None:
+    """`lab VERB worker` runs the queued trials one at a time: options of the launcher are refused, not ignored."""
+    for option, value in (("--workers", args.workers), ("--trials", getattr(args, "trials", None))):
+        if value is not None:
+            raise ConfigError(
+                option,
+                f"not with `lab {verb} worker` (a worker takes one queued trial at a time; start more workers, or "
+                f"give {option} to `lab {verb}`); expected it left out",
+            )
+
+
 def _wrap(*paragraphs: str) -> str:
     """Paragraphs for a RawDescriptionHelpFormatter, which keeps the line breaks it is given."""
     import textwrap
@@ -530,7 +716,7 @@ def _wrap(*paragraphs: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     studies = _studies()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="lab",
         description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -592,15 +778,21 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sweep.add_argument("overrides", nargs="*", help="[worker] sweep=NAME, then Hydra overrides for every trial")
-    sweep.add_argument("--trials", type=int, help="the total trial budget (default: the spec's)")
+    sweep.add_argument(
+        "--trials",
+        type=_integer(1, MAX_TRIALS),
+        help=f"the total trial budget, at most {MAX_TRIALS} (default: the spec's)",
+    )
     for study_parser in (abl, sweep):
         study_parser.add_argument(
             "--workers",
-            type=int,
-            default=1,
-            help="trials run in parallel here (default 1; 0: only queue them for `worker` processes)",
+            type=_integer(0),
+            help="trials run in parallel here (default 1; 0: only queue them for `worker` processes; more than "
+            "the machine's cores are capped to them unless --force)",
         )
+        study_parser.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
         study_parser.add_argument("--no-progress", action="store_true", help="no progress bars (stage lines only)")
+        study_parser.set_defaults(takes_worker=True)  # `lab VERB worker ...` joins a running study
     target = sub.add_parser("target", help="target model commands")
     tsub = target.add_subparsers(dest="target_verb", required=True)
     build = tsub.add_parser("build", help="build (or find in the cache) the configured target")
@@ -632,13 +824,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "source", help=f"an MLflow run id (of the configured store) or a checkpoint folder; or {TORCHSPEC_CONFIG}"
     )
-    export.add_argument("--out", required=True, help="output folder")
+    export.add_argument("--out", type=_path, required=True, help="output folder")
     drafter_export = export.add_argument_group("a trained drafter (lab export SOURCE)")
     drafter_export.add_argument("--format", choices=["native", "speculators", "both"], help="default: both")
-    drafter_export.add_argument("--verifier", help="the target's path for the speculators format (default: the run's)")
-    drafter_export.add_argument("--k", type=int, help="speculative tokens named in the speculators config (default 3)")
+    drafter_export.add_argument(
+        "--verifier", type=_path, help="the target's path for the speculators format (default: the run's)"
+    )
+    drafter_export.add_argument(
+        "--k", type=_integer(1), help="speculative tokens named in the speculators config (default 3)"
+    )
     ts = export.add_argument_group(f"a TorchSpec training config (lab export {TORCHSPEC_CONFIG})")
-    ts.add_argument("--data", help="dataset.train_data_path (default: left for you to fill in)")
+    ts.add_argument("--data", type=_path, help="dataset.train_data_path (default: left for you to fill in)")
     ts.add_argument("--experiment", help="the arm of experiments/NAME.yaml given by --arm ...")
     ts.add_argument("--arm", help="... e.g. --experiment drift_2x2 --arm eagle31 (its first seed unless seed=N)")
     export.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=... or drafter=eagle31")
@@ -656,7 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
     rep.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
-    rep.add_argument("--out", help="output folder (default: reports/NAME)")
+    rep.add_argument("--out", type=_path, help="output folder (default: reports/NAME)")
     rep.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
     doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
     doctor.add_argument("overrides", nargs="*")
@@ -666,8 +862,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-key runs recorded under an older config_hash scheme (from their config.yaml), so studies find them",
     )
     ui = sub.add_parser("ui", help="the MLflow UI over the configured store (127.0.0.1 unless --host)")
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--host", type=_host, default="127.0.0.1")
+    ui.add_argument("--port", type=PORT, default=5000)
     ui.add_argument("overrides", nargs="*")
     server = sub.add_parser(
         "server",
@@ -679,9 +875,15 @@ def build_parser() -> argparse.ArgumentParser:
         "tracking.artifact_root=/shared/mlartifacts",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=5000)
-    server.add_argument("--workers", type=int, default=2, help="server processes (default 2)")
+    server.add_argument("--host", type=_host, default="127.0.0.1")
+    server.add_argument("--port", type=PORT, default=5000)
+    server.add_argument(
+        "--workers",
+        type=_integer(1),
+        default=2,
+        help="server processes (default 2; capped at the cores unless --force)",
+    )
+    server.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
     server.add_argument("overrides", nargs="*")
     dash = sub.add_parser(
         "dashboard",
@@ -702,9 +904,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     dash.add_argument("overrides", nargs="*", help="sweep=NAME or experiment=NAME, then the overrides it ran with")
-    dash.add_argument("--storage", help="an Optuna storage: a journal file or a database URL (all its studies)")
+    dash.add_argument(
+        "--storage", type=_path, help="an Optuna storage: a journal file or a database URL (all its studies)"
+    )
     dash.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
-    dash.add_argument("--port", type=int, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
+    dash.add_argument("--port", type=PORT, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
     return p
 
 

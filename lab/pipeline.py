@@ -73,10 +73,15 @@ class RunResult:
 
 
 def thread_count(cfg: DictConfig) -> int:
-    return cfg.threads or os.cpu_count() or 1
+    """`threads`, at most the machine's cores (None: all of them)."""
+    cores = os.cpu_count() or 1
+    return min(cfg.threads, cores) if cfg.threads else cores
 
 
 def set_threads(cfg: DictConfig) -> None:
+    cores = os.cpu_count() or 1
+    if cfg.threads and cfg.threads > cores:
+        print(f"threads={cfg.threads}: capped at {cores}, this machine's cores")
     torch.set_num_threads(thread_count(cfg))
 
 

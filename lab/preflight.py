@@ -1,18 +1,24 @@
 """Checks that read the user's files but load no model, above the target and drafter stages (lab/config.py
 imports nothing of them): a drafter.checkpoint that is unreadable or does not fit the target, a drafter
-vLLM cannot serve, a malformed line of the user's conversations, or a target whose chat template cannot
-mask the assistant's turns is one line naming the key and file before a target is loaded or converted and
-before an MLflow run is opened.
+vLLM cannot serve, a target folder without what the workbench reads from it (config.json's fields, checked by
+lab/config.py; safetensors weights; a tokenizer; a chat template where data.template=target), a malformed line
+of the user's conversations, a target whose chat template cannot mask the assistant's turns, or data that
+leaves too few training sequences (counted with the target's tokenizer where it is on disk) is one line
+naming the key and file before a target is loaded or converted and before an MLflow run is opened.
 
-`lab run` runs them all (`preflight`); a study runs `check_checkpoint` on every point before it starts
-(lab/sweep/spec.py `Sweep.check`, and the CLI on its first point), but not `check_vllm_servable`."""
+`lab run` runs them all (`preflight`); a study runs `check_checkpoint` and `check_target` on every point
+before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its first point), but not
+`check_vllm_servable`."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from lab.assets import check_gguf_file
-from lab.config import TARGET_TEMPLATE, ConfigError, DataSource, FcNorm, NormType, TargetKind
+from lab.config import TARGET_TEMPLATE, TEMPLATE_NAMES, ConfigError, DataSource, FcNorm, NormType, TargetKind
 
 SAMPLE = [
     {"role": "user", "content": "Hello?"},
@@ -25,9 +31,51 @@ SAMPLE = [
 def preflight(cfg: DictConfig) -> None:
     """Everything `lab run` checks after composing and before any work; raises ConfigError naming the key
     (and file) of the first problem found."""
+    check_target(cfg)
     check_checkpoint(cfg)
     check_vllm_servable(cfg)
     check_files(cfg)
+    check_data(cfg)
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # only safetensors load (no pickle)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_target(cfg: DictConfig) -> None:
+    """A target=hf folder holds safetensors weights and a tokenizer (its config.json is lab/config.py's to
+    check), and, with data.template=target, a tokenizer with a chat template."""
+    t = cfg.target
+    if t.kind != TargetKind.hf or not t.path:
+        return
+    folder = Path(t.path)
+    if not any((folder / name).is_file() for name in WEIGHTS):
+        raise ConfigError(
+            "target.path",
+            f"'{t.path}' has no safetensors weights; expected {' or '.join(WEIGHTS)} (a pytorch_model.bin is a "
+            "pickle and is never read)",
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            "target.path", f"'{t.path}' has no tokenizer; expected one of {', '.join(TOKENIZER_FILES)} beside the model"
+        )
+    if cfg.data.template == TARGET_TEMPLATE and not _has_chat_template(folder):
+        raise ConfigError(
+            "data.template",
+            f"target: the tokenizer of '{t.path}' has no chat template; expected a tokenizer with one "
+            f"(chat_template in tokenizer_config.json, or chat_template.jinja), or one of lab's: "
+            f"{', '.join(TEMPLATE_NAMES)}",
+        )
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
 
 
 def check_checkpoint(cfg: DictConfig) -> None:
@@ -72,8 +120,65 @@ def check_files(cfg: DictConfig) -> None:
 
         read_jsonl(cfg.data.path, "data.path")
     if cfg.data.template == TARGET_TEMPLATE and cfg.target.kind == TargetKind.hf:
-        from transformers import AutoTokenizer
-
         from lab.target.chat_template import TokenizerChat
 
-        TokenizerChat(AutoTokenizer.from_pretrained(cfg.target.path)).render(SAMPLE)
+        TokenizerChat(_tokenizer(cfg.target.path)).render(SAMPLE)
+
+
+def _tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(
+            "target.path", f"cannot load the tokenizer of '{path}' ({first}); expected a readable one"
+        ) from None
+
+
+def tokenizer_on_disk(cfg: DictConfig) -> Path | None:
+    """The folder of the target's tokenizer where it is there without building or converting anything: a
+    target=hf folder, or a built target already in the cache; else None."""
+    t = cfg.target
+    if t.kind == TargetKind.hf:
+        return Path(t.path)
+    if t.kind == TargetKind.build:
+        targets = Path(cfg.cache_dir) / "targets"
+        if not any(targets.glob(f"{t.name}-*")):  # nothing built: not even worth reading the corpus
+            return None
+        from lab.target.build import target_dir
+
+        folder = target_dir(t, cfg.cache_dir) / "model"
+        return folder if (folder / "tokenizer.json").is_file() else None
+    return None
+
+
+def check_data(cfg: DictConfig) -> None:
+    """Enough training and held-out sequences in the data selection, counted as the data stage will, with the
+    target's tokenizer alone where it is on disk (code data, or the user's JSONL conversations); ShareGPT and
+    targets not built yet are checked by the data stage, in one line too."""
+    d = cfg.data
+    if d.source == DataSource.sharegpt:
+        return
+    folder = tokenizer_on_disk(cfg)
+    if folder is None:
+        return
+    tokenizer = _tokenizer(folder)
+    if d.source == DataSource.code:
+        from lab.data import text
+
+        for heldout, count, key in ((False, d.num_sequences, "data.num_sequences"),
+                                    (True, d.heldout_sequences, "data.heldout_sequences")):  # fmt: skip
+            found = text.available(tokenizer, d, heldout, count)
+            if found < count:
+                raise text.too_few(key, count, found, d)
+        return
+    from lab.data import chat_data, conversations
+    from lab.target.chat_template import chat_format
+
+    chat = chat_format(tokenizer, d.template)
+    train, heldout = conversations.split(chat_data.source_conversations(d, cfg.cache_dir))
+    seed = chat_data.SELECT_SEED
+    chat_data.fitting(train, chat, d.num_sequences, d.seq_len, seed, "data.num_sequences")
+    chat_data.fitting(heldout, chat, d.heldout_sequences, d.seq_len, seed, "data.heldout_sequences")

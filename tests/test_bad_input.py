@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +37,8 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("unknown nested key", ["run", STORE, "drafter.bar=1"], "drafter.bar", "allowed under 'drafter': aux_layers"),
     ("unknown preset", ["run", STORE, "drafter=eagle4"], "drafter", "available: eagle3, eagle31"),
     # wrong types
-    ("int as text", ["run", STORE, "train.steps=abc"], "train.steps", "could not be converted to Integer"),
-    ("bool as text", ["run", STORE, "drafter.norm_output=maybe"], "drafter.norm_output", "not a valid bool"),
+    ("int as text", ["run", STORE, "train.steps=abc"], "train.steps", "expected an integer, got 'abc'"),
+    ("bool as text", ["run", STORE, "drafter.norm_output=maybe"], "drafter.norm_output", "expected true or false"),
     # out of range
     ("step weight > 1", ["run", STORE, "train.step_weight=2"], "train.step_weight", "must be in (0, 1]"),
     ("negative temperature", ["run", STORE, "eval.temperature=-1"], "eval.temperature", "must be >= 0"),
@@ -69,6 +70,42 @@ CASES: list[tuple[str, list[str], str, str]] = [
         ["run", STORE, "target=hf", "target.path={root}/notamodel"],
         "target.path",
         "has no config.json (expected a Hugging Face model dir)",
+    ),
+    (
+        "hf config.json without a field the workbench reads",
+        ["run", STORE, "target=hf", "target.path={root}/nolayers"],
+        "target.path",
+        "config.json': num_hidden_layers: expected a positive integer, got nothing",
+    ),
+    (
+        "hf config.json not JSON",
+        ["run", STORE, "target=hf", "target.path={root}/badjson"],
+        "target.path",
+        "config.json' is not JSON",
+    ),
+    (
+        "hf folder without weights",
+        ["run", STORE, "target=hf", "target.path={root}/noweights"],
+        "target.path",
+        "has no safetensors weights; expected model.safetensors or model.safetensors.index.json",
+    ),
+    (
+        "hf tokenizer without a chat template",
+        ["run", STORE, "target=hf", "target.path={root}/notemplate", *TINY_CHAT],
+        "data.template",
+        "has no chat template; expected",
+    ),
+    (
+        "too many conversations for the data, counted before any model loads",
+        ["run", STORE, "target=hf", "target.path={root}/chat", *TINY_CHAT, "data.num_sequences=500"],
+        "data.num_sequences",
+        "asks for 500 conversations but the split holds 77",
+    ),
+    (
+        "sequence too short for any assistant turn",
+        ["run", STORE, "data.seq_len=16"],
+        "data.seq_len",
+        "16 tokens leave no sequence 16 assistant tokens after the prompt",
     ),
     (
         "hf path missing",
@@ -138,10 +175,10 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "spec seeds not distinct",
         ["sweep", "sweep={root}/seeds.yaml", STORE],
         "{root}/seeds.yaml: seeds",
-        "expected a non-empty list of distinct integers, got [0, 0]",
+        "expected a non-empty list of distinct integers in 0..4294967295, got [0, 0]",
     ),
     ("unknown sweep", ["sweep", "sweep=nope", STORE], "sweep", "unknown sweep 'nope'; available: pareto_al_drift"),
-    ("sweep --trials -1", ["sweep", "sweep=tpe_eagle3", "--trials", "-1", STORE], "--trials", "positive total"),
+    ("sweep --trials -1", ["sweep", "sweep=tpe_eagle3", "--trials", "-1", STORE], "--trials", "1..100000, got -1"),
     ("sweep --workers -1", ["sweep", "sweep=tpe_eagle3", "--workers", "-1", STORE], "--workers", "got -1"),
     # the Optuna storage
     (
@@ -186,7 +223,7 @@ CASES: list[tuple[str, list[str], str, str]] = [
     (
         "export unknown run",
         ["export", RUN_ID, "--out", "{root}/exported", STORE],
-        f"run '{RUN_ID}'",
+        f"SOURCE: run '{RUN_ID}'",
         "not found in sqlite:///",
     ),
 ]
@@ -237,6 +274,18 @@ def recorded(tmp_path_factory) -> Path:
     (root / "bad.jsonl").write_text(f"{json.dumps(chat)}\n{json.dumps(chat)}\n{{oops\n")
     (root / "good.jsonl").write_text("".join(json.dumps({**chat, "id": f"c{i}"}) + "\n" for i in range(80)))
     _tiny_chat_model(root / "noassistant", "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    for name in ("chat", "noweights", "notemplate"):
+        shutil.copytree(root / "noassistant", root / name)
+    (root / "chat" / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+    (root / "noweights" / "model.safetensors").unlink()
+    (root / "notemplate" / "chat_template.jinja").unlink()
+    (root / "nolayers").mkdir()
+    (root / "nolayers" / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
+    (root / "badjson").mkdir()
+    (root / "badjson" / "config.json").write_text("{oops")
     return root
 
 
@@ -316,3 +365,22 @@ def test_bad_input_fails_in_one_line_and_changes_nothing(argv, key, hint, record
     assert lines[0].startswith(f"error: {key.format(root=recorded)}"), lines[0]
     assert hint in lines[0], lines[0]
     assert snapshot(recorded) == before
+
+
+@pytest.mark.slow
+def test_too_few_code_sequences_are_refused_before_any_model_loads(micro_overrides, micro_target, monkeypatch, capsys):
+    """With the built target's tokenizer on disk, `lab run`'s preflight counts the code data's sequences as the
+    data stage will (lab/data/text.py): asking for more than the corpus split holds is one line and exit 2,
+    and no model is loaded."""
+    import transformers
+
+    from lab.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_model)
+    assert main(["run", *micro_overrides, "data.num_sequences=100000"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: data.num_sequences: asks for 100000 conversations"), err
+    assert "assistant tokens within data.seq_len=128; expected at most" in err[0]

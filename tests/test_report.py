@@ -196,6 +196,33 @@ def test_report_errors_are_one_line(store, tmp_path, capsys):
     assert "--run: run 'nope': not found" in capsys.readouterr().err
 
 
+def test_report_filters_that_match_nothing_are_refused(store, tmp_path, capsys):
+    """No silent filters: --seeds naming no seed that has a finished run, or --run naming a run that is not
+    the parent of a study of the experiment, is one line naming what there is, and writes nothing; --seeds
+    that match in part say which seeds are missing and report the others alone."""
+    overrides, parent = store
+    out = tmp_path / "none"
+    assert main(["report", "experiment=drift_2x2", "--seeds", "7,8", "--out", str(out), *overrides]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --seeds: no finished run of seed 7, 8 in study drift_2x2-test; expected some of the seeds it has: 0, 1"
+    ]
+    assert not out.exists()
+    child = track.child_runs(overrides[0].split("=", 1)[1], parent)[0].info.run_id
+    assert main(["report", "experiment=drift_2x2", "--run", child, "--out", str(out), *overrides]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --run: run '{child}' is not the parent run of a study of"), err
+    assert f"expected one of the parent runs of its studies: {parent} (drift_2x2-test)" in err[0]
+    assert not out.exists()
+
+    part = tmp_path / "part"
+    assert main(["report", "experiment=drift_2x2", "--seeds", "1,5", "--out", str(part), *overrides]) == 0
+    err = capsys.readouterr().err
+    assert "note: --seeds: seed 5 has no finished run in study drift_2x2-test; reporting seed 1" in err
+    rows = list(csv.DictReader(io.StringIO((part / "tables" / "al.csv").read_text())))
+    # seed 1's runs alone: one per arm, and none of eagle31 (its seed 1 failed)
+    assert {r["arm"]: r["n"] for r in rows} == {"eagle3": "1", "fc_norm": "1", "norm_output": "1", "eagle31": "0"}
+
+
 def test_rollout_and_fc_share_figures(store, tmp_path):
     overrides, parent = store
     uri = overrides[0].split("=", 1)[1]

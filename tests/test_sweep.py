@@ -62,6 +62,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 GOOD = "space: {train.lr: [1]}\nobjectives: [x]\n"
+SEEDS = "expected a non-empty list of distinct integers in 0..4294967295"  # the schema's seed rule
 # (the spec, the key named after the file, the rest of the one line); the schema is lab/sweep/schema.py's SweepSpec
 BAD_SPECS = [
     # unknown keys
@@ -74,9 +75,9 @@ BAD_SPECS = [
     (GOOD + "grace_s: 0\n", "grace_s", "expected a number of seconds > 0, got 0"),
     (GOOD + "heartbeat_s: 30\ngrace_s: 20\n", "grace_s", "expected more seconds than heartbeat_s (30)"),
     (GOOD + "max_retry: -1\n", "max_retry", "expected an integer >= 0"),
-    (GOOD + "trials: 0\n", "trials", "expected a positive integer (the total budget of trials) or null, got 0"),
-    (GOOD + "seeds: [0, 0]\n", "seeds", "expected a non-empty list of distinct integers, got [0, 0]"),
-    (GOOD + "seeds: []\n", "seeds", "expected a non-empty list of distinct integers, got []"),
+    (GOOD + "trials: 0\n", "trials", "expected an integer in 1..100000 (the total budget of trials) or null, got 0"),
+    (GOOD + "seeds: [0, 0]\n", "seeds", SEEDS + ", got [0, 0]"),
+    (GOOD + "seeds: []\n", "seeds", SEEDS + ", got []"),
     ("space: {train.lr: {low: 1, high: 0}}\nobjectives: [x]\n", "space.train.lr", "expected numbers low < high"),
     (
         "space: {train.lr: {low: 0, high: 1, log: true}}\nobjectives: [x]\n",
@@ -90,8 +91,8 @@ BAD_SPECS = [
     (GOOD + "heartbeat_s: often\n", "heartbeat_s", "expected a number of seconds > 0, got 'often'"),
     (GOOD + "heartbeat_s: [1]\n", "heartbeat_s", "expected a number of seconds > 0, got [1]"),
     (GOOD + "max_retry: 1.5\n", "max_retry", "expected an integer >= 0"),
-    (GOOD + "trials: many\n", "trials", "expected a positive integer"),
-    (GOOD + "seeds: [0, one]\n", "seeds", "expected a non-empty list of distinct integers, got [0, 'one']"),
+    (GOOD + "trials: many\n", "trials", "expected an integer in 1..100000"),
+    (GOOD + "seeds: [0, one]\n", "seeds", SEEDS + ", got [0, 'one']"),
     (GOOD + "overrides: train.steps=3\n", "overrides", "expected a list of key=value overrides, got 'train.steps=3'"),
     ("space: {train.lr: {low: small, high: 1}}\nobjectives: [x]\n", "space.train.lr.low", "expected a number or"),
     ("space: {train.lr: {low: 1, high: 2, log: maybe}}\nobjectives: [x]\n", "space.train.lr.log", "true or false"),
@@ -146,16 +147,16 @@ BAD_EXPERIMENTS = [
         "unknown key; allowed: arms, baseline, description, figures, overrides, seeds",
     ),
     ("arms:\n  a: {label: A, overide: [drafter=eagle3]}\n", "arms.a.overide", "unknown key; allowed: label, overrides"),
-    (EXPERIMENT + "seeds: [1, 1]\n", "seeds", "expected a non-empty list of distinct integers, got [1, 1]"),
-    (EXPERIMENT + "seeds: []\n", "seeds", "expected a non-empty list of distinct integers, got []"),
-    (EXPERIMENT + "seeds: [0, x]\n", "seeds", "expected a non-empty list of distinct integers, got [0, 'x']"),
+    (EXPERIMENT + "seeds: [1, 1]\n", "seeds", SEEDS + ", got [1, 1]"),
+    (EXPERIMENT + "seeds: []\n", "seeds", SEEDS + ", got []"),
+    (EXPERIMENT + "seeds: [0, x]\n", "seeds", SEEDS + ", got [0, 'x']"),
     (EXPERIMENT + "overrides: train.steps=3\n", "overrides", "expected a list of key=value overrides"),
     ("arms:\n  a: drafter=eagle3\n", "arms.a", "expected {label: ..., overrides: [key=value, ...]}, got 'drafter"),
     ("arms:\n  a: {overrides: drafter=eagle3}\n", "arms.a.overrides", "expected a list of key=value overrides"),
     ("arms: {}\n", "arms", "expected a non-empty mapping of arm name -> {label, overrides}, got {}"),
     ("description: no arms\n", "arms", "expected a non-empty mapping of arm name -> {label, overrides}, got nothing"),
     (EXPERIMENT + "baseline: c\n", "baseline", "expected one of the arms (a, b), got 'c'"),
-    (EXPERIMENT + "figures: al_vs_depth\n", "figures", "expected a list of strings, got 'al_vs_depth'"),
+    (EXPERIMENT + "figures: al_vs_depth\n", "figures", "expected a list of distinct figure names, got 'al_vs_depth'"),
 ]
 
 

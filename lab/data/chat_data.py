@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from lab import metrics as keys
-from lab.config import ConfigError, DataSource
+from lab.config import MIN_ASSISTANT_ROOM, ConfigError, DataSource
 from lab.data import conversations as convs
 from lab.data.regenerate import regenerate
 from lab.data.text import Sequences
@@ -23,7 +23,7 @@ from lab.target import Target
 from lab.target.chat_template import HandChat, TokenizerChat, chat_format
 
 SELECT_SEED = 1234  # fixed: every run and seed trains on the same conversations, so caches are shared
-MIN_ASSISTANT_ROOM = 32  # a selected conversation's first prompt leaves this many positions to learn from
+# MIN_ASSISTANT_ROOM (lab/config.py): a selected conversation's first prompt leaves this many positions to learn from
 
 
 @dataclass
@@ -52,10 +52,12 @@ def fitting(
             out.append(conv)
             if len(out) == count:
                 return out
+    longer = ", or a larger data.seq_len" if len(out) < len(pool) else ""
     raise ConfigError(
         key,
         f"asks for {count} conversations but the split holds {len(out)} whose first prompt fits in "
-        f"data.seq_len={seq_len} (minus {MIN_ASSISTANT_ROOM} tokens for the answer); lower it or raise data.seq_len",
+        f"data.seq_len={seq_len} (minus {MIN_ASSISTANT_ROOM} tokens for the answer); expected at most "
+        f"{len(out)}{longer}",
     )
 
 

@@ -152,6 +152,8 @@ def split(
 def select(conversations: list[Conversation], count: int, seed: int, key: str) -> list[Conversation]:
     """`count` conversations, a seeded choice recorded by id order (the same seed picks the same ones)."""
     if count > len(conversations):
-        raise ConfigError(key, f"asks for {count} conversations but the split holds {len(conversations)}")
+        raise ConfigError(
+            key, f"asks for {count} conversations but the split holds {len(conversations)}; expected at most that"
+        )
     order = sorted(conversations, key=lambda c: _id_hash(c.id, f"select{seed}:"))
     return order[:count]

@@ -9,15 +9,17 @@ turns), while the prompt is context.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 
+from lab.config import MIN_ASSISTANT_TOKENS, ConfigError
 from lab.target import chat, corpus
 
 WINDOW_SEED = 1234  # fixed: every run and seed trains on the same sequences, so caches are shared
-MIN_MASKED_TOKENS = 16  # a sequence must leave the drafter this many assistant tokens to learn from
+MIN_MASKED_TOKENS = MIN_ASSISTANT_TOKENS  # a sequence must leave the drafter this many assistant tokens to learn from
 
 
 @dataclass
@@ -37,8 +39,9 @@ def corpus_files(corpus_bytes: int, heldout: bool) -> list[tuple[str, str]]:
     return [(f.relpath, f.read()) for f in corpus.select(corpus_bytes) if f.heldout == heldout]
 
 
-def conversation_sequences(tokenizer, dcfg: DictConfig, heldout: bool, count: int, key: str) -> Sequences:
-    """`count` conversations in `data.template` (with `data.system_prompt` if set), seeded choice."""
+def _rows(tokenizer, dcfg: DictConfig, heldout: bool) -> Iterator[tuple[list[int], list[int]]]:
+    """The split's conversations in `data.template`, cut to data.seq_len and padded, with their masks: those
+    that leave the assistant at least MIN_MASKED_TOKENS tokens, in corpus order."""
     renderer = chat.Renderer(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else renderer.eos
     docs = chat.chat_documents(
@@ -50,7 +53,6 @@ def conversation_sequences(tokenizer, dcfg: DictConfig, heldout: bool, count: in
         min_chars=dcfg.chunk_chars[0],
         max_chars=dcfg.chunk_chars[1],
     )
-    rows, masks = [], []
     t = dcfg.seq_len
     for doc in docs:
         # the end of the shown code (nearest the answer), so the assistant's turn fits in the sequence
@@ -60,13 +62,35 @@ def conversation_sequences(tokenizer, dcfg: DictConfig, heldout: bool, count: in
         ids, mask = ids[:t], mask[:t]
         if sum(mask) < MIN_MASKED_TOKENS:
             continue
-        rows.append(ids + [pad] * (t - len(ids)))
-        masks.append(mask + [0] * (t - len(mask)))
+        yield ids + [pad] * (t - len(ids)), mask + [0] * (t - len(mask))
+
+
+def too_few(key: str, count: int, found: int, dcfg: DictConfig) -> ConfigError:
+    return ConfigError(
+        key,
+        f"asks for {count} conversations but the corpus split holds {found} with at least {MIN_MASKED_TOKENS} "
+        f"assistant tokens within data.seq_len={dcfg.seq_len}; expected at most {found}, or a larger "
+        "data.seq_len or data.corpus_bytes",
+    )
+
+
+def available(tokenizer, dcfg: DictConfig, heldout: bool, needed: int) -> int:
+    """How many of the split's conversations fit (counting stops at `needed`): the check before any model
+    loads (lab/preflight.py), with the target's tokenizer alone."""
+    found = 0
+    for _ in _rows(tokenizer, dcfg, heldout):
+        found += 1
+        if found >= needed:
+            break
+    return found
+
+
+def conversation_sequences(tokenizer, dcfg: DictConfig, heldout: bool, count: int, key: str) -> Sequences:
+    """`count` conversations in `data.template` (with `data.system_prompt` if set), seeded choice."""
+    pairs = list(_rows(tokenizer, dcfg, heldout))
+    rows, masks = [r for r, _ in pairs], [m for _, m in pairs]
     if count > len(rows):
-        raise ValueError(
-            f"{key}: asks for {count} conversations but the corpus split holds {len(rows)} with at least "
-            f"{MIN_MASKED_TOKENS} assistant tokens within {t}; lower it or raise data.corpus_bytes"
-        )
+        raise too_few(key, count, len(rows), dcfg)
     order = sorted(random.Random(WINDOW_SEED).sample(range(len(rows)), count))
     return Sequences(
         torch.tensor([rows[i] for i in order], dtype=torch.long),

@@ -34,6 +34,8 @@ class Study:
     baseline: str
     seeds: list[int]  # the seeds the experiment asks for
     left_out: list[Any] = field(default_factory=list)  # runs that failed, were pruned or are still running
+    # the seeds of the study's finished runs, before `only_seeds` kept some of them
+    recorded_seeds: list[int] = field(default_factory=list)
     _curves: dict[tuple[str, str], list[float]] = field(default_factory=dict, repr=False)
     _records: dict[tuple[str, str], dict | None] = field(default_factory=dict, repr=False)
 
@@ -147,18 +149,27 @@ def load(
     arms: list[tuple[str, str]],
     baseline: str,
     seeds: list[int],
+    only_seeds: list[int] | None = None,
 ) -> Study:
-    """The study under `parent_run_id`: its child runs grouped by the `arm` tag, in the given order."""
+    """The study under `parent_run_id`: its child runs grouped by the `arm` tag, in the given order; with
+    `only_seeds` (`lab report --seeds`), the runs of those seeds alone."""
     parent = track.get_run(uri, parent_run_id)
     if "sweep.seeds" in parent.data.params:  # what the study was asked to run (`lab ablate --seeds`)
         seeds = json.loads(parent.data.params["sweep.seeds"])
+    if only_seeds is not None:
+        seeds = list(only_seeds)
     groups = {n: Arm(n, label) for n, label in arms}
     finished: dict[tuple[str, str], Any] = {}
     left_out = []
     children = sorted(track.child_runs(uri, parent_run_id), key=lambda r: (r.info.start_time or 0, r.info.run_id))
+    recorded: set[str] = set()
     for run in children:
         arm, seed = run.data.tags.get("arm"), run.data.tags.get("seed", "")
         if arm not in groups:
+            continue
+        if run.info.status == "FINISHED":
+            recorded.add(seed)
+        if only_seeds is not None and seed not in {str(s) for s in only_seeds}:
             continue
         if run.info.status == "FINISHED" and run.data.tags.get("trial_state", "COMPLETE") == "COMPLETE":
             finished[(arm, seed)] = run  # a seed run twice: the later run counts
@@ -166,7 +177,8 @@ def load(
             left_out.append(run)
     for (arm, _), run in sorted(finished.items(), key=lambda item: _seed_order(item[0][1])):
         groups[arm].runs.append(run)
-    return Study(uri, name, description, parent, list(groups.values()), baseline, seeds, left_out)
+    recorded_seeds = sorted(int(s) for s in recorded if s.lstrip("-").isdigit())
+    return Study(uri, name, description, parent, list(groups.values()), baseline, seeds, left_out, recorded_seeds)
 
 
 def _seed_order(seed: str) -> tuple[int, str]:

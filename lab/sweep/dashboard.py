@@ -126,5 +126,5 @@ def study_storage(sweep: Sweep, extra: list[str]) -> str:
     try:
         cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
     except ConfigError as exc:
-        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'") from None
+        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
     return storage_url(cfg)

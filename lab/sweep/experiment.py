@@ -9,7 +9,7 @@ from pathlib import Path
 
 from lab.config import ConfigError, compose
 from lab.sweep import specfile
-from lab.sweep.schema import ExperimentSpec
+from lab.sweep.schema import SEED_MAX, ExperimentSpec
 from lab.sweep.spec import Objective, Param, Sweep, blame
 from lab.sweep.specfile import read_yaml
 
@@ -40,7 +40,7 @@ class Experiment:
         try:
             cfg = compose([*self.overrides, *first.overrides, *extra])
         except ConfigError as exc:
-            raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'") from None
+            raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'", extra) from None
         e = cfg.eval
         backend = "ref" if "ref" in e.backends else "vllm"
         metric = f"eval/{e.suites[0]}/{backend}/k{e.num_speculative_tokens[0]}/al"
@@ -61,11 +61,11 @@ def available() -> list[str]:
     return sorted(p.stem for p in EXPERIMENT_DIR.glob("*.yaml"))
 
 
-def load(name: str, folder: Path = EXPERIMENT_DIR, seeds_arg: str | None = None) -> Experiment:
+def load(name: str, folder: Path | None = None, seeds_arg: str | None = None) -> Experiment:
     """Read and check `experiments/NAME.yaml` against its schema (lab/sweep/schema.py `ExperimentSpec`); raises
     ConfigError naming the file, the key and what is expected. `seeds_arg` ("0,1", from the command line)
     replaces the experiment's seeds."""
-    path = folder / f"{name}.yaml"
+    path = (folder or EXPERIMENT_DIR) / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError("experiment", f"unknown experiment '{name}'; available: {', '.join(available())}")
     where = f"experiments/{name}.yaml"
@@ -81,8 +81,8 @@ def load(name: str, folder: Path = EXPERIMENT_DIR, seeds_arg: str | None = None)
             raise ConfigError(
                 "--seeds", f"expected integers separated by commas, e.g. 0,1; got '{seeds_arg}'"
             ) from None
-        if len(set(seeds)) < len(seeds):
-            raise ConfigError("--seeds", f"expected distinct integers, e.g. 0,1; got '{seeds_arg}'")
+        if len(set(seeds)) < len(seeds) or any(not 0 <= s <= SEED_MAX for s in seeds):
+            raise ConfigError("--seeds", f"expected distinct integers in 0..{SEED_MAX}, e.g. 0,1; got '{seeds_arg}'")
     baseline = spec["baseline"] or arms[0].name
     if baseline not in {a.name for a in arms}:
         raise ConfigError(

@@ -41,6 +41,33 @@ def _distinct_non_empty(v: Any) -> bool:
     return len(v) > 0 and len(set(v)) == len(v)
 
 
+def _distinct(v: Any) -> bool:
+    return len(set(v)) == len(v)
+
+
+def _named_text(v: Any) -> bool:
+    return bool(v.strip())
+
+
+SEED_MAX = 2**32 - 1  # numpy's generators take seeds in 0..2**32 - 1 (lab/config.py says the same)
+MAX_TRIALS = 100_000  # a study's trials are queued one by one in its storage before any runs
+
+
+def _seeds(v: Any) -> bool:
+    return _distinct_non_empty(v) and all(0 <= s <= SEED_MAX for s in v)
+
+
+def _trials(v: Any) -> bool:
+    return 0 < v <= MAX_TRIALS
+
+
+def _distinct_metrics(v: Any) -> bool:
+    return len(v) > 0 and len({o["metric"] for o in v}) == len(v)
+
+
+_SEEDS = f"a non-empty list of distinct integers in 0..{SEED_MAX}"
+
+
 class SamplerName(str, Enum):
     tpe = "tpe"
     random = "random"
@@ -94,7 +121,7 @@ class ParamSpec:
 class ObjectiveSpec:
     EXPECTED: ClassVar[str] = "{metric: KEY, direction: maximize|minimize, reduce: last|mean|max|min}, or KEY alone"
 
-    metric: str = MISSING
+    metric: str = rule("a metric key, e.g. eval/in_dist/ref/k3/al", _named_text, default=MISSING)
     direction: Direction = Direction.maximize
     reduce: Reduction = Reduction.last
 
@@ -154,11 +181,16 @@ class SweepSpec:
     sampler: SamplerSpec = field(default_factory=lambda: SamplerSpec(name=SamplerName.tpe))
     pruner: PrunerSpec = field(default_factory=lambda: PrunerSpec(name=PrunerName.none))
     objectives: list[ObjectiveSpec] = rule(
-        "a non-empty list of {metric: KEY, direction: maximize|minimize}", _non_empty, default=MISSING
+        "a non-empty list of {metric: KEY, direction: maximize|minimize}, each metric once",
+        _distinct_metrics,
+        default=MISSING,
     )
-    seeds: list[int] = rule("a non-empty list of distinct integers", _distinct_non_empty, default_factory=lambda: [0])
-    trials: int | None = rule("a positive integer (the total budget of trials) or null", _positive, default=None)
-    study: str | None = None  # the MLflow experiment; null: the sweep's name
+    seeds: list[int] = rule(_SEEDS, _seeds, default_factory=lambda: [0])
+    trials: int | None = rule(
+        f"an integer in 1..{MAX_TRIALS} (the total budget of trials) or null", _trials, default=None
+    )
+    # the MLflow experiment; null: the sweep's name
+    study: str | None = rule("a non-empty MLflow experiment name or null", _named_text, default=None)
     max_retry: int = rule("an integer >= 0 (retries of a trial whose worker died)", _not_negative, default=2)
     heartbeat_s: float = rule("a number of seconds > 0", _positive, default=20.0)
     grace_s: float = rule("a number of seconds > 0", _positive, default=120.0)  # no heartbeat this long: stale
@@ -180,11 +212,11 @@ class ExperimentSpec:
 
     description: str | None = ""
     baseline: str | None = None  # an arm; null: the first one
-    seeds: list[int] = rule(
-        "a non-empty list of distinct integers", _distinct_non_empty, default_factory=lambda: [0, 1, 2]
-    )
+    seeds: list[int] = rule(_SEEDS, _seeds, default_factory=lambda: [0, 1, 2])
     overrides: list[str] = rule(_OVERRIDES + " (every arm's)", default_factory=list)
     arms: dict[str, ArmSpec] = rule(
         "a non-empty mapping of arm name -> {label, overrides}", _non_empty, default=MISSING
     )
-    figures: list[str] = field(default_factory=list)  # lab/report/figures.py's names
+    figures: list[str] = rule(  # lab/report/figures.py's names
+        "a list of distinct figure names", _distinct, default_factory=list
+    )

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from lab import metrics as keys
 from lab.config import ConfigError, compose
 from lab.fsutil import short_hash
-from lab.preflight import check_checkpoint
+from lab.preflight import check_checkpoint, check_target
 from lab.sweep import specfile
 from lab.sweep.schema import ParamSpec, SweepSpec
 from lab.sweep.specfile import read_yaml
@@ -192,19 +192,22 @@ class Sweep:
         for params in probes:
             try:
                 cfg = compose(self.trial_overrides(params, self.seeds[0], extra))
+                check_target(cfg)
                 check_checkpoint(cfg)
             except ConfigError as exc:
-                raise blame(exc, f"{self.source} point '{self.label(params)}'") from None
+                raise blame(exc, f"{self.source} point '{self.label(params)}'", extra) from None
             first = first or cfg
             for obj in self.objectives:
                 _check_metric(obj.metric, cfg, f"{self.source}: objectives")
         return first
 
 
-def blame(exc: ConfigError, where: str) -> ConfigError:
+def blame(exc: ConfigError, where: str, extra: list[str] | tuple[str, ...] = ()) -> ConfigError:
     """The error of a point or arm that does not compose, said of `where`; a bad key of where runs are
-    tracked (a malformed tracking.uri) is the same for every point, so it is said of that key alone."""
-    if not changing_results([f"{exc.key}="]):
+    tracked (a malformed tracking.uri) is the same for every point, and a bad override of the user's own
+    (`extra`) is the user's, so those are said of the key alone."""
+    own = {o.split("=", 1)[0].lstrip("+~") for o in extra} | set(extra)
+    if not changing_results([f"{exc.key}="]) or exc.key in own:
         return exc
     message = str(exc).removeprefix(f"{exc.key}: ")
     return ConfigError(f"{where}: {exc.key}", message)

@@ -24,7 +24,7 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lab.config import ConfigError
+from lab.config import ConfigError, expected_words
 
 _ABSENT = object()  # a required key the file does not have
 
@@ -118,6 +118,8 @@ def _mapping(schema: type, raw: Any, where: str, path: str) -> dict[str, Any]:
     for name in flat:
         if not _typed(hints[name], out[name]):  # an interpolation (`${...}`) where no string belongs
             raise fail(name, flat[name])
+        if _strip_optional(hints[name]) is bool and flat[name] is not None and not isinstance(flat[name], bool):
+            raise fail(name, flat[name])  # OmegaConf would take any integer for true
     out.update(nested)
     for name in value:
         check = fields[name].metadata.get("check")
@@ -192,23 +194,6 @@ def _expected_of(f: dataclasses.Field, tp: Any) -> str:
     return f.metadata.get("expected") or expected(tp)
 
 
-_PLURAL = {int: "integers", float: "numbers", str: "strings", bool: "true/false values"}
-
-
 def expected(tp: Any) -> str:
-    """What a value of type `tp` is, in words."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        rest = [a for a in args if a is not type(None)]
-        text = "a number" if set(rest) == {int, float} else " or ".join(expected(a) for a in rest)
-        return f"{text} or null" if len(rest) < len(args) else text
-    if origin is list:
-        item = args[0]
-        return f"a list of {_PLURAL[item]}" if item in _PLURAL else f"a list, each {expected(item)}"
-    if origin is dict:
-        return f"a mapping of name -> {expected(args[1])}"
-    if isinstance(tp, type) and issubclass(tp, Enum):
-        return "one of " + ", ".join(e.value for e in tp)
-    if dataclasses.is_dataclass(tp):
-        return tp.EXPECTED
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, "any value")
+    """What a value of type `tp` is, in words (the same words as the config's errors)."""
+    return expected_words(tp)

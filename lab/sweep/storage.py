@@ -63,8 +63,11 @@ def sampler(sweep: Sweep, worker_index: int, history: int) -> optuna.samplers.Ba
     }
     try:
         return samplers[name]()
-    except TypeError as exc:
-        raise ConfigError(f"{sweep.source}: sampler", f"bad option for {name}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{sweep.source}: sampler",
+            f"bad option for {name}: {exc}; expected keyword arguments of its Optuna sampler",
+        ) from None
 
 
 def pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
@@ -79,7 +82,9 @@ def pruner(sweep: Sweep) -> optuna.pruners.BasePruner:
     try:
         return pruners[name](**opts)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{sweep.source}: pruner", f"bad option for {name}: {exc}") from None
+        raise ConfigError(
+            f"{sweep.source}: pruner", f"bad option for {name}: {exc}; expected keyword arguments of its Optuna pruner"
+        ) from None
 
 
 @dataclass

@@ -326,10 +326,28 @@ def run_checkpoint(uri: str, run_id: str, dst: str | Path) -> tuple[Path, dict[s
     except mlflow.exceptions.MlflowException:
         raise ValueError(f"run '{run_id}': not found in {uri} (expected a run id or a checkpoint folder)") from None
     try:
-        path = client.download_artifacts(run_id, "checkpoint", str(dst))
+        with _no_progress_bar():  # a command's stderr is for its one error line
+            path = client.download_artifacts(run_id, "checkpoint", str(dst))
     except (OSError, mlflow.exceptions.MlflowException):
-        raise ValueError(f"run '{run_id}': no checkpoint artifact (logged when tracking.log_checkpoint=true)") from None
+        raise ValueError(
+            f"run '{run_id}': no checkpoint artifact (expected a run logged with tracking.log_checkpoint=true)"
+        ) from None
     return Path(path), dict(run.data.tags)
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """MLflow without its artifact download bar (it writes to stderr even when nothing is downloaded)."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def metric_curve(uri: str, run_id: str, key: str) -> list[float]:
