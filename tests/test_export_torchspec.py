@@ -179,11 +179,16 @@ def test_torchspec_reads_the_config_and_builds_the_drafter(tmp_path, preset):
 
     target = tmp_path / "target"
     LlamaConfig(
-        vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        max_position_embeddings=8192,
     ).save_pretrained(target)
     data = tmp_path / "conversations.jsonl"
     data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")
-    args = [f"drafter={preset}", "target=hf", f"target.path={target}", "drafter.aux_layers=[2,4,7]"]
+    args = [f"drafter={preset}", "data=code", "target=hf", f"target.path={target}", "drafter.aux_layers=[2,4,7]"]
     rc, out = export(tmp_path, *args, "train.ttt_length=4", "--data", str(data))
     assert rc == 0
     flat = config_to_flat_args(load_config(config_path=str(out / "train.yaml")))
