@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lab import metrics as keys
 from lab.config import ConfigError, compose
 from lab.sweep import specfile
 from lab.sweep.schema import SEED_MAX, ExperimentSpec
@@ -43,7 +44,7 @@ class Experiment:
             raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'", extra) from None
         e = cfg.eval
         backend = "ref" if "ref" in e.backends else "vllm"
-        metric = f"eval/{e.suites[0]}/{backend}/k{e.num_speculative_tokens[0]}/al"
+        metric = keys.acceptance_length(e.suites[0], e.num_speculative_tokens[0], backend)
         arm = Param("arm", "bundle", [a.name for a in self.arms], bundles={a.name: a.overrides for a in self.arms})
         return Sweep(
             name=self.name,
