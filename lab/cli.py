@@ -842,8 +842,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="tables and figures of an experiment's study, from MLflow alone, into reports/NAME/",
         description="Regenerate the report of `lab ablate experiment=NAME` from MLflow alone (nothing is rerun, "
-        "no cache is read): tables as Markdown, LaTeX and CSV (AL per arm x suite x k as mean +- std over seeds "
-        "with the change against the baseline arm, per-position acceptance, drift), figures as PNG and PDF, and "
+        "no cache is read): tables as Markdown, LaTeX and CSV (AL per arm x suite x k, each arm's ratio to the "
+        "baseline arm with a 95 % paired bootstrap interval over seeds and prompts, per-position acceptance, "
+        "rollout accuracy, drift), figures as PNG and PDF, and "
         "report.md with the provenance. The study is the one the same overrides ran (else the newest, said so).",
         epilog="examples:\n  lab report experiment=drift_2x2\n"
         "  lab report experiment=drift_2x2 profile=quick --seeds 0,1\n"
