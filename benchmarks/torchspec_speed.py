@@ -1,15 +1,32 @@
 """Drafter training speed: the native backend against TorchSpec's model code (`train.backend=torchspec`),
-on the same shapes, the same batches and the same machine, measured side by side.
+on the same shapes, the same batches, the same precision (float32) and the same machine, side by side.
 
 Both run the full training step of our loop (TTT forward over `train.ttt_length` steps, loss,
 backward, gradient clipping, AdamW) on batches shaped like the configured training data (the drafter
 shaped after the configured target: width, heads, MLP, vocabulary, captured layers). The values are
 random (speed does not depend on them), and the loss covers a share of the positions as the
-assistant's tokens do in chat data (`--loss-share`). TorchSpec compiles its loss on first use, so both backends warm
-up first; then the backends alternate in rounds, so that machine noise hits both alike, and the ratio
-is reported per round and as the median.
+assistant's tokens do in chat data (`--loss-share`, scattered at random: the native backend skips
+work at positions no loss reads, and scattered positions leave it the least to skip). TorchSpec
+compiles its loss on first use, so both backends warm up first; then the backends alternate in
+rounds, so that machine noise hits both alike, and the ratio is reported per round and as the median,
+by wall clock (tokens/s) and by the process's CPU time (tokens per CPU second, which time spent
+waiting for a busy core does not count).
 
-    .venv/bin/python benchmarks/torchspec_speed.py [--rounds 5] [--steps 10] [hydra overrides...]
+Then each backend trains in a fresh process of its own, to report the peak resident memory of one
+training step: the process's VmHWM over that step, after warm-up (Linux's /proc/self/clear_refs resets
+it after warm-up), and its rise over the resident memory just before the step (what the step itself
+needs; the rest is the interpreter, the libraries, the batches and the drafter).
+
+    .venv/bin/python benchmarks/torchspec_speed.py [--shape tiny|smollm2|smollm2-full|config]
+        [--rounds 5] [--steps 10] [--no-memory] [hydra overrides...]
+
+`--shape` picks the configuration (default `tiny`): `tiny` is the tiny code target (`target=tiny_code
+data=code`: hidden 256, vocabulary 4,096, batches of 8 x 128 tokens), `smollm2` SmolLM2-135M on ShareGPT
+(`target=smollm2 data=sharegpt`: hidden 576, vocabulary 49,152, the pruned draft vocabulary of 16,384,
+batches of 8 x 512 tokens), `smollm2-full` the same with the full vocabulary
+(`drafter.draft_vocab_size=null`), `config` the configured run as the overrides alone compose it.
+Overrides apply on top of the shape (one naming a key of the shape replaces it), e.g. `threads=1`.
+SmolLM2's shape needs only its config: its converted folder is built on first use.
 
 Needs TorchSpec (see docs/torchspec.md); without it, it prints how to install it and exits 2.
 """
@@ -18,7 +35,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -28,7 +49,15 @@ from lab.config import ConfigError, aux_layers, compose
 from lab.drafter import Eagle3Drafter, drafter_spec
 from lab.pipeline import set_threads
 from lab.train.torchspec_config import target_model_config
-from lab.train.ttt import ttt_loss
+from lab.train.ttt import optimizer, ttt_loss
+
+SHAPES = {
+    "tiny": ["target=tiny_code", "data=code"],
+    "smollm2": ["target=smollm2", "data=sharegpt"],
+    "smollm2-full": ["target=smollm2", "data=sharegpt", "drafter.draft_vocab_size=null"],
+    "config": [],
+}
+BACKENDS = ("native", "torchspec")
 
 
 def drafter_for(cfg) -> Eagle3Drafter:
@@ -38,8 +67,81 @@ def drafter_for(cfg) -> Eagle3Drafter:
     return Eagle3Drafter(drafter_spec(model_config, cfg.drafter, aux_layers(cfg)))
 
 
+def shape_overrides(shape: str, overrides: list[str]) -> list[str]:
+    """The shape's overrides, less those whose key the user's overrides set, then the user's."""
+    keys = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    return [o for o in SHAPES[shape] if o.split("=", 1)[0] not in keys] + overrides
+
+
+def make_batches(cfg, loss_share: float, n: int = 4) -> tuple[list[tuple], torch.Tensor]:
+    spec = drafter_for(cfg).spec
+    b, seq = cfg.train.batch_size, cfg.data.seq_len
+    width = spec.num_aux * spec.target_hidden_size
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            torch.randint(0, spec.vocab_size, (b, seq), generator=g),
+            torch.randn(b, seq, width, generator=g) * 4,
+            torch.randn(b, seq, spec.hidden_size, generator=g),
+            (torch.rand(b, seq, generator=g) < loss_share).to(torch.uint8),
+        )
+        for _ in range(n)
+    ]
+    lm_head = torch.randn(spec.vocab_size, spec.hidden_size, generator=g) * 0.05
+    return batches, lm_head
+
+
+def make_step(cfg, backend: str, batches: list[tuple], lm_head: torch.Tensor):
+    """One training step of `backend` on batch i (mod the batches), as `lab.train.ttt.train` steps."""
+    from lab.train.torchspec import TorchSpecTTT
+
+    t = cfg.train
+    drafter = drafter_for(cfg)
+    loss = (
+        functools.partial(ttt_loss, drafter)
+        if backend == "native"
+        else TorchSpecTTT.for_drafter(drafter, t.ttt_length).loss
+    )
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = optimizer(params, t)  # the trainer's
+
+    def step(i: int) -> None:
+        input_ids, aux, final, mask = batches[i % len(batches)]
+        stats = loss(input_ids, aux, final, lm_head, t.ttt_length, t.step_weight, mask)
+        opt.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        opt.step()
+
+    return step
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def memory_probe(cfg, backend: str, loss_share: float, warmup: int) -> dict:
+    """In this (fresh) process: warm `backend` up, then the peak RSS of one training step."""
+    batches, lm_head = make_batches(cfg, loss_share)
+    step = make_step(cfg, backend, batches, lm_head)
+    for i in range(warmup):
+        step(i)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        reset = True
+    except OSError:
+        reset = False
+    before = _status_kib("VmRSS")
+    step(warmup)
+    peak = _status_kib("VmHWM")
+    return {"backend": backend, "before_kib": before, "peak_kib": peak, "reset": reset}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny", help="the configuration (default tiny)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per backend per round (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per backend first (default 3)")
@@ -50,57 +152,34 @@ def main() -> int:
         help="share of positions the loss covers (the assistant's tokens: 0.34 in data=micro's conversations); "
         "both backends skip the others before lm_head (default 0.34)",
     )
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--memory-probe", choices=BACKENDS, help=argparse.SUPPRESS)  # the child processes
     args, overrides = parser.parse_known_args()
     try:
-        cfg = compose([*overrides, "train.backend=torchspec"])
+        cfg = compose([*shape_overrides(args.shape, overrides), "train.backend=torchspec"])
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     set_threads(cfg)
-    from lab.train.torchspec import TorchSpecTTT
+    if args.memory_probe:
+        print("MEMORY " + json.dumps(memory_probe(cfg, args.memory_probe, args.loss_share, max(args.warmup, 1))))
+        return 0
+    try:
+        import torchspec  # noqa: F401
+    except ImportError:
+        print("error: TorchSpec is not installed (docs/torchspec.md says how to install it)", file=sys.stderr)
+        return 2
 
     t = cfg.train
     b, seq = t.batch_size, cfg.data.seq_len
+    batches, lm_head = make_batches(cfg, args.loss_share)
     spec = drafter_for(cfg).spec
-    hidden, vocab = spec.hidden_size, spec.vocab_size
-    width = spec.num_aux * spec.target_hidden_size
-    g = torch.Generator().manual_seed(0)
-    batches = [
-        (
-            torch.randint(0, vocab, (b, seq), generator=g),
-            torch.randn(b, seq, width, generator=g) * 4,
-            torch.randn(b, seq, hidden, generator=g),
-            (torch.rand(b, seq, generator=g) < args.loss_share).to(torch.uint8),
-        )
-        for _ in range(4)
-    ]
-    lm_head = torch.randn(vocab, hidden, generator=g) * 0.05
-
-    runners = {}
-    for backend in ("native", "torchspec"):
-        drafter = drafter_for(cfg)
-        loss = (
-            functools.partial(ttt_loss, drafter)
-            if backend == "native"
-            else TorchSpecTTT.for_drafter(drafter, t.ttt_length).loss
-        )
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
-
-        def step(i: int, loss=loss, params=params, opt=opt) -> None:
-            input_ids, aux, final, mask = batches[i % len(batches)]
-            stats = loss(input_ids, aux, final, lm_head, t.ttt_length, t.step_weight, mask)
-            opt.zero_grad(set_to_none=True)
-            stats.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-            opt.step()
-
-        runners[backend] = step
-
+    runners = {backend: make_step(cfg, backend, batches, lm_head) for backend in BACKENDS}
     print(
-        f"drafter {cfg.drafter.fc_norm.value}/norm_output={cfg.drafter.norm_output}, hidden "
-        f"{hidden}, vocab {vocab}, batch {b} x {seq} tokens, "
-        f"ttt_length {t.ttt_length}, loss on {args.loss_share:.0%} of positions, {torch.get_num_threads()} threads"
+        f"shape {args.shape}: drafter {cfg.drafter.fc_norm.value}/norm_output={cfg.drafter.norm_output}, hidden "
+        f"{spec.hidden_size}, vocab {spec.vocab_size} (draft {spec.draft_vocab_size}), batch {b} x {seq} tokens, "
+        f"ttt_length {t.ttt_length}, float32, loss on {args.loss_share:.0%} of positions, "
+        f"{torch.get_num_threads()} threads"
     )
     started = time.time()
     for step in runners.values():
@@ -109,23 +188,46 @@ def main() -> int:
     print(f"warm-up ({args.warmup} steps each, TorchSpec compiles its loss): {time.time() - started:.0f} s")
     tokens = args.steps * b * seq
     rates: dict[str, list[float]] = {name: [] for name in runners}
+    cpu_rates: dict[str, list[float]] = {name: [] for name in runners}
     for r in range(args.rounds):
         order = list(runners) if r % 2 == 0 else list(reversed(runners))
         for backend in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for i in range(args.steps):
                 runners[backend](i)
             rates[backend].append(tokens / (time.perf_counter() - t0))
+            cpu_rates[backend].append(tokens / (time.process_time() - c0))
         print(
             f"round {r + 1}: native {rates['native'][-1]:8.0f} tok/s   torchspec {rates['torchspec'][-1]:8.0f} tok/s   "
-            f"native/torchspec {rates['native'][-1] / rates['torchspec'][-1]:.2f}"
+            f"native/torchspec {rates['native'][-1] / rates['torchspec'][-1]:.2f}   (per CPU second: "
+            f"{cpu_rates['native'][-1]:.0f} / {cpu_rates['torchspec'][-1]:.0f} = "
+            f"{cpu_rates['native'][-1] / cpu_rates['torchspec'][-1]:.2f})"
         )
     native, ts = statistics.median(rates["native"]), statistics.median(rates["torchspec"])
     ratios = [n / s for n, s in zip(rates["native"], rates["torchspec"], strict=True)]
+    cpu_ratios = [n / s for n, s in zip(cpu_rates["native"], cpu_rates["torchspec"], strict=True)]
     print(
         f"median: native {native:.0f} tok/s, torchspec {ts:.0f} tok/s; native/torchspec "
-        f"{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        f"{statistics.median(ratios):.2f} (rounds {min(ratios):.2f}-{max(ratios):.2f}); per CPU second "
+        f"{statistics.median(cpu_ratios):.2f} (rounds {min(cpu_ratios):.2f}-{max(cpu_ratios):.2f})"
     )
+    if args.no_memory:
+        return 0
+    for backend in BACKENDS:
+        cmd = [sys.executable, os.path.abspath(__file__), "--memory-probe", backend, "--shape", args.shape]
+        cmd += ["--warmup", str(max(args.warmup, 1)), "--loss-share", str(args.loss_share), *overrides]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        found = [line for line in out.stdout.splitlines() if line.startswith("MEMORY ")]
+        if out.returncode != 0 or not found:
+            print(f"peak RSS, {backend}: the probe failed (exit {out.returncode}): {out.stderr.strip()[-400:]}")
+            continue
+        m = json.loads(found[-1][len("MEMORY ") :])
+        how = "VmHWM over one step after warm-up" if m["reset"] else "VmHWM of the whole process (no reset here)"
+        print(
+            f"peak RSS of a training step, {backend:9s}: {m['peak_kib'] / 1024:7.0f} MiB "
+            f"(+{(m['peak_kib'] - m['before_kib']) / 1024:.0f} MiB over the {m['before_kib'] / 1024:.0f} MiB "
+            f"before the step; {how}, in a fresh process)"
+        )
     return 0
 
 

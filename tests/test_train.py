@@ -132,3 +132,152 @@ def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_
     assert without_speed(resumed) == without_speed(straight)  # history replayed, then the same window
     final = json.loads((ckpt.path / resume.MANIFEST).read_text())
     assert (final["step"], final["steps"], final["run_id"]) == (10, 10, "second")
+
+
+def _dense_ttt_loss(drafter, input_ids, aux, final, lm_head, length, step_weight, loss_mask):
+    """The TTT loss the plain way: the target's distribution at every position, every drafting step at
+    every position, lm_head over all of them, then the counted ones picked out."""
+    F = torch.nn.functional
+    t = input_ids.shape[1]
+    target_z = final.float() @ lm_head.float().T
+    target_top = target_z.argmax(-1)
+    predicts = torch.ones(input_ids.shape) if loss_mask is None else F.pad(loss_mask[:, 1:].float(), (0, 1))
+    learnable = predicts
+    if drafter.spec.draft_vocab_size != drafter.spec.vocab_size:
+        in_draft = torch.zeros(drafter.spec.vocab_size, dtype=torch.bool)
+        in_draft[drafter.draft_token_ids()] = True
+        target_z = target_z[..., drafter.draft_token_ids()]
+        learnable = predicts * in_draft[target_top]
+    target_p = torch.softmax(target_z, -1)
+    outs = drafter.unroll(F.pad(input_ids[:, 1:], (0, 1)), aux.float(), length)
+    loss, plosses, accs = torch.zeros(()), [], []
+    for i, h in enumerate(outs):
+        n = t - 1 - i
+        logits = drafter.logits(h[:, :n]).float()
+        w, counted = learnable[:, i + 1 : i + 1 + n], predicts[:, i + 1 : i + 1 + n]
+        ce = F.cross_entropy(logits.flatten(0, 1), target_p[:, i + 1 : i + 1 + n].flatten(0, 1), reduction="none")
+        ploss = (ce * w.flatten()).sum() / w.sum().clamp_min(1.0)
+        hits = (drafter.to_target_ids(logits.argmax(-1)) == target_top[:, i + 1 : i + 1 + n]) & (counted > 0)
+        loss = loss + step_weight**i * ploss
+        plosses.append(ploss.item())
+        accs.append(hits.sum().item() / max(counted.sum().item(), 1))
+    return loss, plosses, accs
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "num_kv_heads", "draft_vocab", "norm_output", "norm_before_residual", "mask"),
+    [
+        (1, 2, None, False, False, "spans"),
+        (1, 1, 40, True, False, "random"),
+        (2, 1, None, True, True, "spans"),
+        (2, 2, 40, False, False, "random"),
+        (1, 1, None, True, False, None),
+    ],
+)
+def test_ttt_loss_equals_the_dense_computation(
+    num_layers, num_kv_heads, draft_vocab, norm_output, norm_before_residual, mask
+):
+    """ttt_loss computes only what its loss reads (the target's distribution once per counted position,
+    later drafting steps only where a loss needs them, lm_head and the cross-entropy chunked over the
+    counted rows): its loss, per-step losses, accuracies and every gradient equal the plain dense
+    computation, for several layers, grouped-query attention, a pruned vocabulary and sparse masks."""
+    from lab.drafter import DrafterSpec, Eagle3Drafter
+
+    vocab, hidden, b, t, length = 96, 64, 3, 40, 3
+    spec = DrafterSpec(
+        hidden_size=hidden, target_hidden_size=hidden, aux_layer_ids=[1, 2, 3], vocab_size=vocab,
+        draft_vocab_size=draft_vocab, num_heads=2, num_kv_heads=num_kv_heads, head_dim=32, intermediate_size=96,
+        num_layers=num_layers, fc_norm="per_layer", norm_output=norm_output, norm_before_residual=norm_before_residual,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    drafters = []
+    for _ in range(2):
+        d = Eagle3Drafter(spec)
+        if drafters:
+            d.load_state_dict(drafters[0].state_dict())
+        else:
+            with torch.no_grad():
+                for name, p in d.named_parameters():
+                    p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+                if draft_vocab:
+                    ids = torch.randperm(vocab)[:draft_vocab].sort().values
+                    d.d2t.copy_(ids - torch.arange(draft_vocab))
+        drafters.append(d)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, vocab, (b, t), generator=g)
+    aux = torch.randn(b, t, 3 * hidden, generator=g) * 3
+    final = torch.randn(b, t, hidden, generator=g)
+    lm_head = torch.randn(vocab, hidden, generator=g) * 0.3
+    if mask == "random":
+        loss_mask = (torch.rand(b, t, generator=g) < 0.3).to(torch.uint8)
+    elif mask == "spans":  # the assistant's turns: runs of tokens, one sequence without any
+        loss_mask = torch.zeros(b, t, dtype=torch.uint8)
+        loss_mask[0, 5:12] = loss_mask[0, 30:38] = loss_mask[1, 20:] = 1
+    else:
+        loss_mask = None
+    sparse = ttt_loss(drafters[0], input_ids, aux, final, lm_head, length, 0.8, loss_mask)
+    loss, plosses, accs = _dense_ttt_loss(drafters[1], input_ids, aux, final, lm_head, length, 0.8, loss_mask)
+    torch.testing.assert_close(sparse.loss, loss, rtol=1e-5, atol=1e-6)
+    assert sparse.plosses == pytest.approx(plosses, rel=1e-5, abs=1e-6)
+    assert sparse.accs == pytest.approx(accs, abs=1e-9)
+    sparse.loss.backward()
+    loss.backward()
+    for (name, p), q in zip(drafters[0].named_parameters(), drafters[1].parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+
+
+def test_ttt_attention_over_rows_equals_the_dense_attention():
+    """The TTT attention over each step's rows (CPU's fused causal kernel over rows padded per sequence,
+    the diagonal joined through the log-sum-exp, the backward written out) equals `TTTCache.attend`'s
+    plain dense attention, values and gradients, with grouped-query heads."""
+    from lab.drafter.model import TTTCache
+
+    torch.manual_seed(0)
+    b, t, heads, kv_heads, d = 2, 12, 4, 2, 8
+    rows = [None, torch.tensor([1, 3, 4, 7, 11, 12, 15, 20, 23]), torch.tensor([3, 7, 12, 20, 23])]
+    sizes = [b * t if r is None else len(r) for r in rows]
+    qs = [torch.randn(n, heads, d, requires_grad=True) for n in sizes]
+    ks = [torch.randn(n, kv_heads, d, requires_grad=True) for n in sizes]
+    vs = [torch.randn(n, kv_heads, d, requires_grad=True) for n in sizes]
+    sparse, dense = TTTCache(1, b, t), TTTCache(1, b, t)
+    outs, expected = [], []
+    for step, r in enumerate(rows):
+        sparse.rows = r
+        sparse.row_sets.append(r)
+        outs.append(sparse.attend_rows(0, qs[step], ks[step], vs[step]))
+
+        def full(x, r=r):  # the rows as dense [B, heads, T, d], zeros elsewhere
+            if r is not None:
+                x = x.new_zeros(b * t, *x.shape[1:]).index_copy(0, r, x)
+            return x.view(b, t, *x.shape[1:]).transpose(1, 2)
+
+        out = dense.attend(0, full(qs[step]), full(ks[step]), full(vs[step])).transpose(1, 2).reshape(b * t, -1)
+        expected.append(out if r is None else out[r])
+    for got, want in zip(outs, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    weights = [torch.randn_like(o) for o in outs]
+    inputs = [*qs, *ks, *vs]
+    got = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights, strict=True)), inputs)
+    want = torch.autograd.grad(sum((o * w).sum() for o, w in zip(expected, weights, strict=True)), inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_function_equals_the_module():
+    """The unroll's RMSNorm with its backward written out equals the RMSNorm module and its autograd."""
+    from lab.drafter.model import RMSNorm, rms_norm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(16) * 0.3)
+    x = (torch.randn(5, 7, 16) * 3).requires_grad_()
+    w = torch.randn(5, 7, 16)
+    got = rms_norm(norm, x)
+    grads = torch.autograd.grad((got * w).sum(), [x, norm.weight])
+    want = norm(x)
+    expected = torch.autograd.grad((want * w).sum(), [x, norm.weight])
+    torch.testing.assert_close(got, want)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
