@@ -387,7 +387,7 @@ def schema_type(key: str) -> Any:
     suite's), or None for a key the schema does not declare."""
     tp: Any = Config
     for part in filter(None, re.split(r"\.|(\[\d+\])", key)):
-        tp = _strip_optional(tp)
+        tp = strip_optional(tp)
         if part.startswith("["):
             if typing.get_origin(tp) is not list:
                 return None
@@ -403,7 +403,8 @@ def schema_type(key: str) -> Any:
     return tp
 
 
-def _strip_optional(tp: Any) -> Any:
+def strip_optional(tp: Any) -> Any:
+    """`X` for a type hint `X | None` (or `Optional[X]`); any other hint as it is."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         rest = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(rest) == 1:
@@ -641,7 +642,7 @@ def check_rules(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if OmegaConf.is_config(value):
             value = OmegaConf.to_container(value)
-        problem = _rule_problem(_strip_optional(tp), rules, value)
+        problem = _rule_problem(strip_optional(tp), rules, value)
         if problem:
             raise ConfigError(key, f"expected {rule_words(tp, rules)}, got {_shown(value)}")
 
@@ -654,7 +655,7 @@ def ruled_keys(cfg: DictConfig | None = None) -> list[tuple[str, Any, dict[str, 
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            tp = _strip_optional(hints[f.name])
+            tp = strip_optional(hints[f.name])
             if dataclasses.is_dataclass(tp):
                 walk(tp, f"{prefix}{f.name}.")
             elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
@@ -697,7 +698,7 @@ def _number_problem(rules: dict[str, Any], v: float) -> bool:
 
 def rule_words(tp: Any, rules: dict[str, Any]) -> str:
     """What a value of type `tp` keeping `rules` is, in words."""
-    tp, optional = _strip_optional(tp), typing.get_origin(tp) in (typing.Union, types.UnionType)
+    tp, optional = strip_optional(tp), typing.get_origin(tp) in (typing.Union, types.UnionType)
     bound = []
     if "min" in rules and "max" in rules:
         bound.append(f"in {rules['min']}..{rules['max']}")

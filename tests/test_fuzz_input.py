@@ -53,7 +53,7 @@ import yaml
 from test_bad_input import _overrides, recorded, snapshot  # noqa: F401  (recorded: a fixture)
 
 from lab import cli, track
-from lab.config import Config, compose
+from lab.config import Config, compose, strip_optional
 from lab.sweep import experiment, schema
 
 SEED = int(os.environ.get("LAB_FUZZ_SEED", "21"))
@@ -89,14 +89,6 @@ def _rng(*parts: object) -> random.Random:
     return random.Random(f"{SEED}:" + ":".join(map(str, parts)))
 
 
-def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        rest = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0]
-    return tp
-
-
 # ------------------------------------------------------------------------------------------------ the surface
 
 
@@ -105,7 +97,7 @@ def config_leaves(cls: type = Config, prefix: str = "") -> list[tuple[str, Any]]
     out = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp, key = _strip_optional(hints[f.name]), f"{prefix}{f.name}"
+        tp, key = strip_optional(hints[f.name]), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(tp):
             out += config_leaves(tp, f"{key}.")
         elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
@@ -121,7 +113,7 @@ def spec_leaves(cls: type, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp, key = _strip_optional(hints[f.name]), f"{prefix}{f.name}"
+        tp, key = strip_optional(hints[f.name]), f"{prefix}{f.name}"
         out.append((key, hints[f.name]))
         origin, args = typing.get_origin(tp), typing.get_args(tp)
         inner = args[0] if origin is list else args[1] if origin is dict else tp
@@ -171,7 +163,7 @@ def base_argvs(verb: str) -> list[list[str]]:
 
 
 def mutation_classes(tp: Any) -> list[str]:
-    base = _strip_optional(tp)
+    base = strip_optional(tp)
     origin = typing.get_origin(base)
     if base is typing.Any:
         return []
@@ -190,7 +182,7 @@ def mutation_classes(tp: Any) -> list[str]:
 
 def mutation(tp: Any, kind: str, current: Any, rng: random.Random) -> Any:
     """The value (Python data) of one mutation of a value of type `tp`; `current` is a valid value, if known."""
-    base = _strip_optional(tp)
+    base = strip_optional(tp)
     origin, args = typing.get_origin(base), typing.get_args(base)
     number = base is float or origin in (typing.Union, types.UnionType)
     if kind == "wrong type":

@@ -24,7 +24,7 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lab.config import ConfigError, expected_words
+from lab.config import ConfigError, expected_words, strip_optional
 
 _ABSENT = object()  # a required key the file does not have
 
@@ -118,7 +118,7 @@ def _mapping(schema: type, raw: Any, where: str, path: str) -> dict[str, Any]:
     for name in flat:
         if not _typed(hints[name], out[name]):  # an interpolation (`${...}`) where no string belongs
             raise fail(name, flat[name])
-        if _strip_optional(hints[name]) is bool and flat[name] is not None and not isinstance(flat[name], bool):
+        if strip_optional(hints[name]) is bool and flat[name] is not None and not isinstance(flat[name], bool):
             raise fail(name, flat[name])  # OmegaConf would take any integer for true
     out.update(nested)
     for name in value:
@@ -132,7 +132,7 @@ def _nested(tp: Any, inner: type, raw: Any, where: str, path: str, fail: typing.
     """A field holding mappings of the schema (`inner`): one, a list of them, or a mapping of names to them."""
     if raw is None and _optional(tp):
         return None
-    origin = typing.get_origin(_strip_optional(tp))
+    origin = typing.get_origin(strip_optional(tp))
     if origin is list:
         if not isinstance(raw, list):
             raise fail()
@@ -148,17 +148,9 @@ def _optional(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
-def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        rest = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0]
-    return tp
-
-
 def _dataclass_in(tp: Any) -> type | None:
     """The dataclass a field holds (itself, or as the items of a list or the values of a mapping), or None."""
-    tp = _strip_optional(tp)
+    tp = strip_optional(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list:
         tp = args[0]
