@@ -2,7 +2,7 @@
 saves each trial.
 
     .venv/bin/python benchmarks/sweep_workers.py [--sweep toggles_grid] [--workers 2] [hydra overrides...]
-    # default overrides: the micro target (target=micro data=micro train=quick eval=quick)
+    # default overrides: the micro target (profile=micro)
 
 Each leg gets a fresh MLflow store, Optuna journal and hidden-state cache (so its first trial builds the
 cache and the others load it) in a temporary folder; the target is built once and shared. Each leg is
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MICRO = ["target=micro", "data=micro", "train=quick", "eval=quick"]
+MICRO = ["profile=micro"]
 
 
 def leg(sweep: str, workers: int, overrides: list[str], root: Path, targets: Path) -> dict:

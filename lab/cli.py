@@ -22,12 +22,12 @@ EPILOG = """examples:
   lab run                                   # defaults: SmolLM2 target, regenerated ShareGPT, EAGLE-3, TTT 3
   lab run drafter=eagle31                   # the EAGLE 3.1 preset
   lab run drafter.fc_norm=per_layer         # one toggle on its own
-  lab run target=micro data=micro train=quick eval=quick   # a smoke run in about a minute
+  lab run profile=micro                     # the micro target: a smoke run in about a minute
   lab run target=hf target.path=/models/my-llama drafter.aux_layers=[2,8,13]
   lab run drafter.checkpoint=DIR            # evaluate a drafter trained elsewhere (TorchSpec, speculators)
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
-  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick   # the same, in minutes
+  lab ablate experiment=drift_2x2 profile=micro   # the micro target: the same, in minutes
   lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2   # the demo's quick study
   lab report experiment=drift_2x2           # its tables, figures and report.md again, from MLflow alone
   lab sweep sweep=toggles_grid --workers 2  # an Optuna study: every trial a child MLflow run, resumable
@@ -742,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         ),
         epilog="examples:\n  lab run drafter=eagle31 train.ttt_length=5\n"
-        "  lab run target=micro data=micro train=quick eval=quick\n"
+        "  lab run profile=micro\n"
         "  lab run drafter.checkpoint=/ckpts/torchspec-eagle31 target=hf target.path=/models/llama "
         "eval.backends=[ref,vllm]\n"
         "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]",
@@ -758,7 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"experiments: {studies['experiments']}\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
         "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
-        "  lab ablate experiment=drift_2x2 target=micro data=micro train=quick eval=quick",
+        "  lab ablate experiment=drift_2x2 profile=micro",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     abl.add_argument("overrides", nargs="*", help="[worker] experiment=NAME, then Hydra overrides for every arm")
@@ -772,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
         "joins a running study from another process or machine (same storage, same overrides). The storage "
         "is a journal file beside the MLflow database, or tracking.optuna_storage=URL (e.g. PostgreSQL).",
         epilog=f"sweeps: {studies['sweeps']}\n"
-        "examples:\n  lab sweep sweep=toggles_grid --workers 2 target=micro data=micro train=quick eval=quick\n"
+        "examples:\n  lab sweep sweep=toggles_grid --workers 2 profile=micro\n"
         "  lab sweep sweep=tpe_eagle31 --trials 40\n"
         "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna",
         formatter_class=argparse.RawDescriptionHelpFormatter,
