@@ -1,4 +1,4 @@
-"""Small hand-built drafters for unit tests (no target needed)."""
+"""Small hand-built drafters and random targets for unit tests (nothing to build or download)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def small_drafter(seed: int = 0, **spec) -> Eagle3Drafter:
         intermediate_size=96,
     )
     return Eagle3Drafter(DrafterSpec(**{**base, **spec})).eval()
+
+
+def small_target(seed: int = 0):
+    """A random 4-layer, 64-wide Llama over the same 100-token vocabulary (transformers' LlamaForCausalLM)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()

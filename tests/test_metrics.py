@@ -137,19 +137,13 @@ def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
     """Every key a suite with two variants logs (pooled and per variant), and the held-out rollout's, is a
     builder's, and no builder's key of theirs is missing."""
     import torch
-    from helpers import small_drafter
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import small_drafter, small_target
 
     from lab.data.suites import Suite
     from lab.data.text import Sequences
     from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = small_target(0)
     drafter = small_drafter(0)
     prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7)]
     suite = Suite("mix", prompts, ["a", "b", "a"], max_new_tokens=6)

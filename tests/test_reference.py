@@ -84,18 +84,13 @@ def test_the_chain_limit_is_al_over_one_plus_k_c():
     chain limit AL / (1 + k c) is logged beside the speedup it bounds."""
     stats = DecodeStats(rounds=4, accepted=6, draft_seconds=0.6)
     assert stats.draft_cost_ratio(3, target_seconds_per_token=0.1) == pytest.approx(0.6 / 12 / 0.1)
-    from helpers import small_drafter
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import small_drafter, small_target
 
     from lab.data.suites import Suite
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-    )  # fmt: skip
+    target, drafter = small_target(0), small_drafter(0)
     suite = Suite("mix", [torch.randint(0, 100, (9,)).tolist()], ["a"], max_new_tokens=16)
-    m = evaluate_suite(LlamaForCausalLM(config).eval(), small_drafter(0), suite, [2, 4], progress=False)
+    m = evaluate_suite(target, drafter, suite, [2, 4], progress=False)
     for k in (2, 4):
         c = m[f"eval/mix/ref/k{k}/draft_cost_ratio"]
         assert c > 0
@@ -146,20 +141,14 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
     from types import SimpleNamespace
 
     import numpy as np
-    from helpers import small_drafter
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from helpers import small_drafter, small_target
 
     from lab.data.suites import Suite
     from lab.data.text import Sequences
     from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
     from lab.report import paired
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = small_target(0)
     drafter = small_drafter(0)
     prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7, 10)]
     suite = Suite("mix", prompts, ["a", "b", "a", "b"], max_new_tokens=12)
