@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from lab.config import aux_layers
-from lab.data.cache import MANIFEST, _verify, build_or_load
+from lab.data.cache import MANIFEST, STORE_DTYPE, _verify, build_or_load
 from lab.target.build import BUILD_INFO
 
 
@@ -43,6 +43,24 @@ def test_second_run_does_no_target_forward(micro_cfg, micro_target, micro_sequen
         seqs.input_ids.shape[1],
         h,
     )
+
+
+def test_cache_holds_the_target_states_bit_for_bit(micro_cfg, micro_target, micro_sequences, tmp_path):
+    """Capture keeps only the aux layers (forward pre-hooks, converted as they are copied out), yet stores
+    the same bytes as taking every state with output_hidden_states=True, concatenating, then converting."""
+    seqs = micro_sequences[0][:6]
+    layers = [0, 3, 1]  # the embeddings, and the ids out of order: concatenated in the order given
+    hidden = build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path, batch_size=4, progress=False)
+    aux, final = [], []
+    with torch.no_grad():
+        for batch in seqs.input_ids.split(4):  # the builder's batches: a GEMM's rounding may depend on them
+            states = micro_target.model.base_model(input_ids=batch, use_cache=False, output_hidden_states=True)
+            states = states.hidden_states
+            aux.append(torch.cat([states[i] for i in layers], dim=-1).to(STORE_DTYPE))
+            final.append(states[-1].to(STORE_DTYPE))
+    assert hidden.aux.dtype == hidden.final.dtype == STORE_DTYPE
+    assert torch.equal(hidden.aux.view(torch.int16), torch.cat(aux).view(torch.int16))
+    assert torch.equal(hidden.final.view(torch.int16), torch.cat(final).view(torch.int16))
 
 
 def test_corrupted_shard_is_detected_and_rebuilt(micro_cfg, micro_target, micro_sequences, tmp_path):

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from lab.data.text import Sequences
 from lab.fsutil import file_lock, mismatched_file, read_manifest, sha256_file, short_hash, staging_dir
 from lab.target import Target, capture
+from lab.target.capture import Captured
 
 MANIFEST = "manifest.json"
 SHARD_SEQUENCES = 256
@@ -99,6 +100,12 @@ def build_or_load(
     return HiddenStates(ids, stored["loss_mask"], stored["aux"], stored["final"], path, stats)
 
 
+def capture_batch(model, batch: torch.Tensor, aux_layers: list[int]) -> Captured:
+    """What the cache stores of one batch: the aux and final states, already in `STORE_DTYPE`
+    (`benchmarks/capture_overhead.py` times exactly this against the target's plain forward)."""
+    return capture(model, batch, aux_layers, dtype=STORE_DTYPE)
+
+
 def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> dict:
     shards = []
     started = time.time()
@@ -109,9 +116,9 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
             mask = sequences.loss_mask[start : start + SHARD_SEQUENCES]
             aux, final = [], []
             for batch in chunk.split(batch_size):
-                out = capture(target.model, batch, aux_layers)
-                aux.append(out.aux.to(STORE_DTYPE))
-                final.append(out.final.to(STORE_DTYPE))
+                out = capture_batch(target.model, batch, aux_layers)
+                aux.append(out.aux)
+                final.append(out.final)
                 bar.update(len(batch))
             name = f"shard_{index:05d}.safetensors"
             save_file(
