@@ -24,6 +24,7 @@ EPILOG = """examples:
   lab run drafter.fc_norm=per_layer         # one toggle on its own
   lab run profile=micro                     # the micro target: a smoke run in about a minute
   lab run target=hf target.path=/models/my-llama drafter.aux_layers=[2,8,13]
+  lab run device=cuda dtype=bfloat16        # on a GPU (the defaults device=auto dtype=auto pick it and bf16)
   lab run drafter.checkpoint=DIR            # evaluate a drafter trained elsewhere (TorchSpec, speculators)
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
@@ -36,16 +37,28 @@ EPILOG = """examples:
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
   lab export torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
 config groups: target data drafter train eval suite tracking profile (see configs/); any key: group.key=value
+top-level keys: {top_level} (key=value)
 experiments (experiments/): {experiments}
 sweeps (sweeps/): {sweeps}
 """
 
 
 def _studies() -> dict[str, str]:
-    """The experiments and sweeps there are, for the help texts (read from their folders, not listed here)."""
+    """The experiments and sweeps there are, and the config's top-level keys, for the help texts (read from
+    their folders and the schema, not listed here)."""
+    import dataclasses
+    import typing
+
+    from lab.config import Config
     from lab.sweep import experiment, spec
 
-    return {"experiments": " ".join(experiment.available()), "sweeps": " ".join(spec.available())}
+    hints = typing.get_type_hints(Config)
+    top = [name for name, tp in hints.items() if not dataclasses.is_dataclass(tp) and typing.get_origin(tp) is not dict]
+    return {
+        "experiments": " ".join(experiment.available()),
+        "sweeps": " ".join(spec.available()),
+        "top_level": " ".join(top),
+    }
 
 
 def validated(verb: str) -> None:
@@ -495,7 +508,14 @@ def cmd_doctor(overrides: list[str], rekey: bool = False) -> int:
             print(f"  {name:14s} (not installed)")
     import torch
 
+    from lab.device import resolve_device
+
+    device, dtype = resolve_device(cfg)
     print(f"devices: cpu threads={torch.get_num_threads()} cuda={torch.cuda.is_available()}")
+    print(
+        f"this config: device={cfg.device.value} dtype={cfg.dtype.value} -> runs on {device} in "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
     cache = Path(cfg.cache_dir).resolve()
     print(f"cache dir: {cache}")
     for sub in ("targets", "hidden", "regen", "wheels"):

@@ -75,6 +75,19 @@ class Generator(str, Enum):
     hf = "hf"  # transformers' generate, batched
 
 
+class Device(str, Enum):
+    auto = "auto"  # cuda where torch sees a GPU, else cpu (lab/device.py resolves it)
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"  # bfloat16 on cuda, float32 on cpu
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class TargetKind(str, Enum):
     build = "build"  # trained here from the stdlib corpus
     hf = "hf"  # any local Hugging Face causal LM directory
@@ -269,6 +282,11 @@ class Config:
     seed: int = checked(0, **SEED)
     cache_dir: str = checked(".cache/lab", **NAME)
     threads: int | None = checked(None, **POSITIVE)  # torch threads; None = all cores (more are capped to them)
+    # where the target, the hidden-state capture, training and the reference decoder compute; like threads,
+    # not part of what a run is (config_hash). vLLM keeps its own device handling.
+    device: Device = Device.auto
+    # the target's precision; the drafter keeps float32 weights and computes in it under autocast
+    dtype: DType = DType.auto
 
 
 _registered = False
@@ -1051,9 +1069,10 @@ def _changed(value: Any, default: Any) -> Any:
 
 def config_hash(cfg: DictConfig | dict) -> str:
     """Identity of what a run computes: the values that differ from the schema's defaults (not where the run
-    is tracked, how it is labelled, or how often it saves progress), and the hash scheme."""
+    is tracked, how it is labelled, on which device or with how many threads it computes, or how often it saves
+    progress), and the hash scheme."""
     data = to_container(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
-    for key in ("tracking", "study", "arm", "cache_dir", "threads"):
+    for key in ("tracking", "study", "arm", "cache_dir", "threads", "device"):
         data.pop(key, None)
     data.get("train", {}).pop("checkpoint_every", None)
     changed = _changed(data, _schema_defaults(data))

@@ -1,10 +1,11 @@
 """Checks that read the user's files but load no model, above the target and drafter stages (lab/config.py
-imports nothing of them): a drafter.checkpoint that is unreadable or does not fit the target, a drafter
-vLLM cannot serve, a target folder without what the workbench reads from it (config.json's fields, checked by
-lab/config.py; safetensors weights; a tokenizer; a chat template where data.template=target), a malformed line
-of the user's conversations, a target whose chat template cannot mask the assistant's turns, or data that
-leaves too few training sequences (counted with the target's tokenizer where it is on disk) is one line
-naming the key and file before a target is loaded or converted and before an MLflow run is opened.
+imports nothing of them): `device=cuda` where torch has no CUDA, a drafter.checkpoint that is unreadable or
+does not fit the target, a drafter vLLM cannot serve, a target folder without what the workbench reads from
+it (config.json's fields, checked by lab/config.py; safetensors weights; a tokenizer; a chat template where
+data.template=target), a malformed line of the user's conversations, a target whose chat template cannot
+mask the assistant's turns, or data that leaves too few training sequences (counted with the target's
+tokenizer where it is on disk) is one line naming the key and file before a target is loaded or converted
+and before an MLflow run is opened.
 
 `lab run` runs them all (`preflight`); a study runs `check_checkpoint` and `check_target` on every point
 before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its first point), but not
@@ -18,7 +19,16 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lab.assets import check_gguf_file
-from lab.config import TARGET_TEMPLATE, TEMPLATE_NAMES, ConfigError, DataSource, FcNorm, NormType, TargetKind
+from lab.config import (
+    TARGET_TEMPLATE,
+    TEMPLATE_NAMES,
+    ConfigError,
+    DataSource,
+    Device,
+    FcNorm,
+    NormType,
+    TargetKind,
+)
 
 SAMPLE = [
     {"role": "user", "content": "Hello?"},
@@ -42,9 +52,26 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # only safetens
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+def check_device(cfg: DictConfig) -> None:
+    """`device=cuda` where this torch cannot compute on CUDA is refused (`auto` falls back to the CPU)."""
+    if cfg.device != Device.cuda:
+        return
+    from lab.device import cuda_problem  # torch: imported only when CUDA is asked for
+
+    problem = cuda_problem()
+    if problem:
+        raise ConfigError(
+            "device",
+            f"cuda: {problem}; expected device=auto or device=cpu here, or a CUDA build of torch on a machine "
+            "with a GPU (README: On a GPU machine)",
+        )
+
+
 def check_target(cfg: DictConfig) -> None:
-    """A target=hf folder holds safetensors weights and a tokenizer (its config.json is lab/config.py's to
-    check), and, with data.template=target, a tokenizer with a chat template."""
+    """The target can be loaded where the config puts it (`check_device`); a target=hf folder holds
+    safetensors weights and a tokenizer (its config.json is lab/config.py's to check), and, with
+    data.template=target, a tokenizer with a chat template."""
+    check_device(cfg)
     t = cfg.target
     if t.kind != TargetKind.hf or not t.path:
         return

@@ -268,6 +268,7 @@ def _defaults_now() -> dict:
         for g, c in GROUP_SCHEMAS.items()
     }
     groups["seed"] = config.Config.seed
+    groups["dtype"] = config.Config.dtype.value  # in config_hash; `device` is not (like threads)
     return groups
 
 
@@ -299,6 +300,7 @@ def test_a_key_added_with_a_default_keeps_the_hash():
     del recorded["train"]["min_lr_ratio"]  # as recorded before these keys existed
     del recorded["eval"]["vllm"]["timeout_s"]
     del recorded["suites"]["template"]["templates"]
+    del recorded["device"], recorded["dtype"]
     assert config_hash(recorded) == config_hash(cfg)
     assert config_hash(compose(["drafter=eagle31", "train.steps=8", "seed=3"])) != config_hash(cfg)
     assert config_hash(
@@ -307,6 +309,10 @@ def test_a_key_added_with_a_default_keeps_the_hash():
     # where it is tracked, how it is labelled and how often it saves progress are not what it computes
     same = ["drafter=eagle31", "train.steps=7", "seed=3", "study=x", "arm=y", "threads=1", "train.checkpoint_every=3"]
     assert config_hash(compose(same)) == config_hash(cfg)
+    # nor the device it runs on; its precision is, where a run asks for one (`auto`, the default, adds nothing)
+    for device in ("cpu", "cuda", "auto"):
+        assert config_hash(compose([*same, f"device={device}", "dtype=auto"])) == config_hash(cfg)
+    assert config_hash(compose([*same, "dtype=bfloat16"])) != config_hash(cfg)
 
 
 def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):

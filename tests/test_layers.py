@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "report": {"config", "metrics", "base", "track"},
     "cli": EVERYTHING,
 }
-BASE = {"lab", "lab.fsutil", "lab.assets", "lab.schedule"}
+BASE = {"lab", "lab.fsutil", "lab.assets", "lab.schedule", "lab.device"}
 
 
 def layer(module: str) -> str | None:

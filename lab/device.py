@@ -1,0 +1,53 @@
+"""Where a run computes and in what precision: the config's `device` and `dtype`, resolved in one place.
+
+The target is loaded on the resolved device in the resolved dtype (lab/target/load.py); every later stage
+follows the target rather than the config (the hidden-state capture, regeneration, training, the reference
+decoder), so that a caller handing a stage a target, such as the tests' float32 targets, gets exactly
+what that target computes. The drafter keeps float32 weights (and AdamW state) everywhere; where the target
+computes in a narrower dtype the drafter's forward runs under autocast in it (`autocast`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _value(cfg: Any, key: str) -> str:
+    value = cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
+    value = getattr(value, "value", value)  # a config enum (lab.config.Device / DType) as well as a string
+    return "auto" if value is None else str(value)  # a config logged before the keys existed: the defaults
+
+
+def resolve_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of a config's `device` and `dtype`: device `auto` is cuda where torch sees a GPU, else
+    cpu; dtype `auto` is bfloat16 on cuda (half the memory, the tensor cores' precision) and float32 on cpu
+    (a CPU without bf16 instructions only emulates bfloat16, and float32 keeps the numbers every run recorded
+    so far). Explicit values are taken as they are; whether CUDA is there is `cuda_problem`'s to say."""
+    device, dtype = _value(cfg, "device"), _value(cfg, "dtype")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), DTYPES[dtype]
+
+
+def cuda_problem() -> str | None:
+    """Why this process cannot compute on CUDA, or None where it can."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a build without CUDA"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """The drafter's forward in `dtype` on `device` (autocast: its float32 weights are cast per op); off for
+    float32, so that a float32 run computes exactly as it did before `dtype` existed."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
