@@ -154,7 +154,7 @@ def run(
         _records_error(mlrun),
     ):
         hooks.on_start(mlrun.id)
-        params = {**flatten(logged), "resolved.aux_layers": layers}
+        params = {**flatten(logged), "resolved.aux_layers": layers, **resolved_device(target)}
         if source is not None:
             params["drafter.norm_before_residual"] = source[1].spec.norm_before_residual
         mlrun.log_params(params)
@@ -222,12 +222,18 @@ def run(
         return RunResult(mlrun.id, metrics, seconds)
 
 
+def resolved_device(target) -> dict[str, str]:
+    """The run's params `resolved.device` and `resolved.dtype`: where `device=auto` / `dtype=auto` put the
+    target (the params `device` and `dtype` say only what was asked for)."""
+    return {"resolved.device": str(target.device), "resolved.dtype": str(target.dtype).removeprefix("torch.")}
+
+
 def _training_data(cfg: DictConfig, target, progress: bool):
     """(train, held-out) sequences, what chat suites are built from (None for code data), data/... metrics."""
     if cfg.data.source == DataSource.code:
         train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
         return train_seqs, heldout, None, {}
-    data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress)
+    data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress, cfg.dtype.value)
 
     def answer(conversations):  # MT-Bench's turn-1 answers: the same greedy regeneration, cached alike
         return regenerate(
@@ -240,6 +246,7 @@ def _training_data(cfg: DictConfig, target, progress: bool):
             cache_dir=cfg.cache_dir,
             progress=progress,
             threads=thread_count(cfg),
+            dtype=cfg.dtype.value,
         ).conversations
 
     inputs = ChatSuiteInputs(data.heldout_conversations, data.chat, answer, str(cfg.cache_dir))
@@ -250,7 +257,8 @@ def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: Ru
     """Train the configured drafter on the cached hidden states (resuming a checkpoint if one is left);
     returns it and its final training tokens/s."""
     counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
-    drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
+    # initialised on the CPU, then moved: the same initial weights on every device
+    drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts).to(target.device)
     checkpoint, state = None, None
     if resume_dir is not None:
         checkpoint = resume.Checkpointing(resume_dir, cfg.train.checkpoint_every, mlrun.id)
@@ -301,7 +309,7 @@ def _load_checkpoint(cfg: DictConfig, target) -> tuple[CheckpointInfo, Eagle3Dra
         drafter = load_checkpoint(info.path, embed_weight=target.embed_weight, aux_layers=info.spec.aux_layer_ids)
     except (FileNotFoundError, CheckpointError) as exc:
         raise ConfigError("drafter.checkpoint", str(exc)) from None
-    return info, drafter
+    return info, drafter.to(target.device)
 
 
 def _as_loaded(cfg: DictConfig, info: CheckpointInfo) -> DictConfig:

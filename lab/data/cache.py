@@ -115,7 +115,7 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
             chunk = sequences.input_ids[start : start + SHARD_SEQUENCES]
             mask = sequences.loss_mask[start : start + SHARD_SEQUENCES]
             aux, final = [], []
-            for batch in chunk.split(batch_size):
+            for batch in chunk.to(target.device).split(batch_size):  # the stored ids stay on the CPU
                 out = capture_batch(target.model, batch, aux_layers)
                 aux.append(out.aux)
                 final.append(out.final)

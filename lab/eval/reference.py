@@ -12,6 +12,10 @@ target's own greedy decoding (tested for every toggle combination). With tempera
 sampled from the drafter and accepted by lossless speculative sampling (accept d with probability
 min(1, p(d)/q(d)), else resample from norm(max(0, p - q))), so the output follows the target's own
 sampling distribution (tested statistically).
+
+Both models run on the target's device. The drafter computes in the target's dtype (under autocast: its
+weights stay float32, lab/device.py), reading the target's features as they come; sampling draws from the
+caller's CPU generator, so that a seed gives the same draws on any device.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lab.device import autocast
 from lab.drafter import Eagle3Drafter, KVCache
 from lab.eval.probes import DriftProbes
 from lab.target import capture
@@ -85,7 +90,12 @@ def _pick(
     if temperature == 0:
         return int(logits.argmax()), None
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator)), probs
+    return _sample(probs, generator), probs
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from `probs`, on the CPU where the seeded generator lives (a no-op move on a CPU run)."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 @torch.no_grad()
@@ -97,11 +107,12 @@ def target_decode(
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], float]:
     """Plain decoding of the target with its KV cache, one token per forward: the baseline."""
+    device = target_model.get_output_embeddings().weight.device
     start = time.perf_counter()
-    out = target_model(input_ids=torch.tensor([prompt]), use_cache=True)
+    out = target_model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
     past, tokens = out.past_key_values, [_pick(out.logits[0, -1], temperature, generator)[0]]
     while len(tokens) < max_new_tokens:
-        out = target_model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        out = target_model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
         tokens.append(_pick(out.logits[0, -1], temperature, generator)[0])
     return tokens, time.perf_counter() - start
@@ -124,12 +135,13 @@ def _accept(
         return accepted, preds[accepted]
     p = torch.softmax(target_z.float() / temperature, dim=-1)
     for i, (d, q) in enumerate(zip(drafts, draft_probs, strict=True)):
-        if torch.rand((), generator=generator) >= torch.clamp(p[i, d] / q[d], max=1.0):
+        # as Python floats: the CPU generator's draw against a ratio on any device (exact: both are float32)
+        if torch.rand((), generator=generator).item() >= torch.clamp(p[i, d] / q[d], max=1.0).item():
             residual = (p[i] - q).clamp_min(0)
             total = residual.sum()
             dist = residual / total if total > 0 else p[i]
-            return i, int(torch.multinomial(dist, 1, generator=generator))
-    return k, int(torch.multinomial(p[k], 1, generator=generator))
+            return i, _sample(dist, generator)
+    return k, _sample(p[k], generator)
 
 
 @torch.no_grad()
@@ -148,10 +160,11 @@ def speculative_decode(
     the decoded tokens are the same)."""
     aux_layers = drafter.spec.aux_layer_ids
     lm_head = target_model.get_output_embeddings().weight
+    device, features = lm_head.device, drafter.fc.weight.dtype  # the drafter reads features in its own dtype
     stats = DecodeStats()
     start = time.perf_counter()
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=device)
     cap = capture(target_model, ids, aux_layers, use_cache=True)
     target_cache = cap.past_key_values
     pending = _pick(cap.final[0, -1] @ lm_head.T, temperature, generator)[0]
@@ -164,24 +177,29 @@ def speculative_decode(
 
     while len(generated) < max_new_tokens:
         drafting = time.perf_counter()
-        positions = torch.arange(ctx_start, ctx_start + len(ctx_tokens))[None]
-        h_out = drafter(torch.tensor([ctx_tokens]), drafter.project(ctx_aux), positions, dcache)[:, -1:]
-        drafts: list[int] = []
-        draft_probs: list[torch.Tensor | None] = []
-        for j in range(k):
-            draft_id, q = _pick(drafter.logits(h_out)[0, -1], temperature, generator)
-            tok = int(drafter.to_target_ids(torch.tensor(draft_id)))
-            drafts.append(tok)
-            draft_probs.append(None if q is None else drafter.to_target_probs(q))
-            if j + 1 == k and probes is None:
-                break  # the last draft feeds nothing back
-            fed_back = drafter.feedback(h_out)
-            if probes is not None:  # keys from index n on were drafted in this round
-                probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
-            if j + 1 < k:
-                h_out = drafter(torch.tensor([[tok]]), fed_back, torch.tensor([[n + j]]), dcache)
+        with autocast(device, lm_head.dtype):
+            positions = torch.arange(ctx_start, ctx_start + len(ctx_tokens), device=device)[None]
+            hidden = drafter.project(ctx_aux.to(features))
+            h_out = drafter(torch.tensor([ctx_tokens], device=device), hidden, positions, dcache)[:, -1:]
+            drafts: list[int] = []
+            draft_probs: list[torch.Tensor | None] = []
+            for j in range(k):
+                draft_id, q = _pick(drafter.logits(h_out)[0, -1], temperature, generator)
+                tok = int(drafter.to_target_ids(torch.tensor(draft_id, device=device)))
+                drafts.append(tok)
+                draft_probs.append(None if q is None else drafter.to_target_probs(q))
+                if j + 1 == k and probes is None:
+                    break  # the last draft feeds nothing back
+                fed_back = drafter.feedback(h_out)
+                if probes is not None:  # keys from index n on were drafted in this round
+                    probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
+                if j + 1 < k:
+                    token, position = torch.tensor([[tok]], device=device), torch.tensor([[n + j]], device=device)
+                    h_out = drafter(token, fed_back, position, dcache)
         stats.draft_seconds += time.perf_counter() - drafting
-        verify = capture(target_model, torch.tensor([[pending] + drafts]), aux_layers, past_key_values=target_cache)
+        verify = capture(
+            target_model, torch.tensor([[pending] + drafts], device=device), aux_layers, past_key_values=target_cache
+        )
         accepted, bonus = _accept(drafts, draft_probs, verify.final[0] @ lm_head.T, temperature, generator)
         stats.add_round(k, accepted)
 

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from lab import metrics as keys
 from lab.data.suites import Suite
 from lab.data.text import Sequences
+from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
 from lab.eval.reference import DecodeStats, speculative_decode, target_decode
@@ -170,9 +171,12 @@ def heldout_evaluation(
 ) -> Evaluation:
     """`heldout_metrics` and, per held-out sequence, the rollout's hits and counted positions per depth
     (`per_prompt/rollout.json`): sum(hits) / sum(counted) over the sequences is the logged accuracy."""
-    cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)
+    device, dtype = target.lm_head_weight.device, target.lm_head_weight.dtype
+    input_ids, loss_mask = heldout.input_ids.to(device), heldout.loss_mask.to(device)
+    cap = capture(target.model, input_ids, drafter.spec.aux_layer_ids)
     top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
-    hits, counted = rollout_counts(drafter, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask)
+    with autocast(device, dtype):  # the drafter in the target's dtype, as the reference decoder runs it
+        hits, counted = rollout_counts(drafter, input_ids, cap.aux, top, depth, loss_mask)
     key = keys.rollout_accuracy(suite)
     metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), keys.fc_share(): fc_share(drafter, cap.aux)}
     sequences = [

@@ -79,9 +79,9 @@ def open_generator(
 ) -> Iterator[Generate]:
     """A greedy `generate(prompts, max_new_tokens)` over `target` (lab.target.Target) for the body of the
     context; `max_new_tokens` is one limit for every prompt or a list of one per prompt. `dtype` and
-    `kv_cache_gib` are vLLM's (hf uses the loaded model as it is; `dtype="auto"`: see resolve_dtype);
-    `progress` shows a bar over each call's prompts (hf only: vLLM's would go to its log). The vLLM worker's
-    output goes to `log_path`
+    `kv_cache_gib` are vLLM's (hf uses the loaded model as it is, on its device and in its dtype;
+    `dtype="auto"`: see resolve_dtype); `progress` shows a bar over each call's prompts (hf only: vLLM's would
+    go to its log). The vLLM worker's output goes to `log_path`
     (default: a temp file, removed after a clean run), which a RuntimeError from a failed worker names."""
     backend = resolve_backend(backend)
     eos = target.tokenizer.eos_token_id
@@ -161,6 +161,8 @@ def greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: i
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p) :] = 1
+    device = model.get_output_embeddings().weight.device
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     outs: list[list[int]] = [[] for _ in prompts]
@@ -186,14 +188,14 @@ def greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: i
         if len(keep) < len(alive):
             if not keep:
                 break
-            index = torch.tensor(keep)
+            index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             mask = mask[index]
             alive = [alive[j] for j in keep]
             tokens = [tokens[j] for j in keep]
         positions = mask.sum(-1, keepdim=True)  # the new token's position: the real tokens before it
-        mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long)], dim=1)
-        step_ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+        mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long, device=device)], dim=1)
+        step_ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
     return outs
 
 

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from lab.config import ConfigError, TargetKind
+from lab.device import resolve_device
 from lab.fsutil import short_hash
 from lab.target import build as target_build
 from lab.target import gguf
@@ -21,7 +22,7 @@ class Target:
     model: Any  # a transformers causal LM in eval mode
     tokenizer: Any
     path: Path
-    fingerprint: str  # identifies weights + tokenizer for cache keys
+    fingerprint: str  # identifies weights (as loaded: their dtype where not float32) + tokenizer for cache keys
     info: dict = field(default_factory=dict)  # build.json of a built target
 
     @property
@@ -41,6 +42,14 @@ class Target:
         return self.model.config.max_position_embeddings
 
     @property
+    def device(self) -> torch.device:
+        return self.lm_head_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head_weight.dtype
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
@@ -55,8 +64,10 @@ def _hf_fingerprint(path: Path) -> str:
 
 
 def load(cfg: DictConfig, progress: bool = True) -> Target:
-    """The target of `cfg.target`, float32, eval mode; builds the tiny target, or converts a GGUF one, on
-    first use."""
+    """The target of `cfg.target` in eval mode, on the device and in the dtype of `cfg.device` / `cfg.dtype`
+    (lab/device.py; float32 on the CPU by default); builds the tiny target, or converts a GGUF one, on first
+    use (both stored in float32 whatever the run's dtype, so that the cached folder is the same everywhere)."""
+    device, dtype = resolve_device(cfg)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -78,9 +89,14 @@ def load(cfg: DictConfig, progress: bool = True) -> Target:
         info, fingerprint = {}, f"hf-{_hf_fingerprint(path)}"
     try:
         # safetensors only: a pytorch_model.bin is a pickle, which can run code when loaded
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError("target.path", f"cannot load a causal LM from '{path}': {str(exc).splitlines()[0]}") from None
-    model.eval().requires_grad_(False)
+    model.to(device).eval().requires_grad_(False)
+    if dtype != torch.float32:
+        # narrower weights compute other hidden states and answers: every cache keyed by the target (hidden
+        # states, regenerations, resume checkpoints) keeps them apart; float32 adds nothing, so that the keys
+        # of every entry cached before `dtype` existed still hold
+        fingerprint = f"{fingerprint}-{str(dtype).removeprefix('torch.')}"
     return Target(model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint, info=info)

@@ -63,6 +63,7 @@ def build_model(drafter: Eagle3Drafter, attention_backend: str = "sdpa") -> nn.M
     model = AutoEagle3DraftModel.from_config(
         AutoDraftModelConfig.from_dict(config), attention_backend=attention_backend
     )
+    model.to(drafter.embed_tokens.weight.device)  # its own buffers (d2t, t2d, rotary) beside the shared weights
     ours = dict(drafter.named_parameters())
     theirs = dict(model.named_parameters())
     expected = {_internal_name(name) for name in ours}
@@ -118,7 +119,8 @@ class TorchSpecTTT:
         from torchspec.utils.tensor import padding
 
         b, t = input_ids.shape
-        predicts = torch.ones(b, t) if loss_mask is None else F.pad(loss_mask[:, 1:].float(), (0, 1))
+        device = input_ids.device
+        predicts = torch.ones(b, t, device=device) if loss_mask is None else F.pad(loss_mask[:, 1:].float(), (0, 1))
         ts_mask = padding(predicts, left=False)  # TorchSpec gates step i at t with its mask[t + i]
         target_states = padding(final.float(), left=False)
         length = self.model.length
@@ -130,7 +132,7 @@ class TorchSpecTTT:
             target = compute_lazy_target_padded(target_states, lm_head_weight.float(), length)
         plosses, _, accs, _, _ = self.model(
             input_ids=padding(input_ids, left=False),
-            attention_mask=torch.ones(b, t, dtype=torch.long),
+            attention_mask=torch.ones(b, t, dtype=torch.long, device=device),
             target=target,
             loss_mask=ts_mask,
             hidden_states=aux.float(),

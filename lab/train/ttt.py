@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from lab import metrics as keys
 from lab.data.cache import HiddenStates
+from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.drafter.model import rms_norm
 from lab.schedule import warmup_cosine
@@ -270,11 +271,20 @@ def train(
     With `checkpoint`, a resume checkpoint is written every `checkpoint.every` steps and after the last,
     and Ctrl-C stops after the current step with a checkpoint. With `resume` (such a checkpoint, of the
     same training), training continues from its step and ends with the weights an uninterrupted run
-    would have, bit for bit (same thread count); the metrics it logged are sent to `log` again first."""
+    would have, bit for bit (same thread count); the metrics it logged are sent to `log` again first.
+
+    Batches go to the drafter's device. The drafter computes in `lm_head_weight`'s dtype, the target's (under
+    autocast, its weights and AdamW's state staying float32; `train.autocast_bf16` asks for bfloat16 whatever
+    the target's), float16 with a scaled loss so that small gradients do not flush to zero."""
     if loss is None and tcfg.backend != "native":
         raise ValueError(f"train.backend={tcfg.backend}: pass its loss (`loss=`); only the native one is the default")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = optimizer(params, tcfg)
+    device = params[0].device
+    precision = torch.bfloat16 if tcfg.autocast_bf16 else lm_head_weight.dtype
+    # disabled (every call passes through) unless float16; its scale is not in a resume checkpoint, so a
+    # float16 run resumes close to, not bit for bit at, where it would have been
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(data), generator=gen)
     cursor, start = 0, 0
@@ -316,22 +326,24 @@ def train(
             cursor += tcfg.batch_size
             for group in opt.param_groups:
                 group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(tcfg.autocast_bf16)):
+            with autocast(device, precision):
                 stats = batch_loss(
-                    data.input_ids[idx],
-                    data.aux[idx],
-                    data.final[idx],
+                    data.input_ids[idx].to(device),
+                    data.aux[idx].to(device),
+                    data.final[idx].to(device),
                     lm_head_weight,
                     tcfg.ttt_length,
                     tcfg.step_weight,
-                    data.loss_mask[idx],
+                    data.loss_mask[idx].to(device),
                 )
             if not torch.isfinite(stats.loss):
                 raise FloatingPointError(f"non-finite training loss at step {step}: {stats.loss.item()}")
             opt.zero_grad(set_to_none=True)
-            stats.loss.backward()
+            scaler.scale(stats.loss).backward()
+            scaler.unscale_(opt)  # the gradient's norm is clipped as it is, not as scaled
             torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             window.append({"loss": stats.loss.item(), "plosses": stats.plosses, "accs": stats.accs})
             window_tokens += int(data.input_ids[idx].numel())
             done = step + 1
