@@ -10,7 +10,7 @@ import torch
 from lab.config import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
-from lab.eval.reference import DecodeStats, speculative_decode, target_decode
+from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
 from lab.eval.run import evaluate_suite
 
 TOGGLES = list(itertools.product(["none", "per_layer", "concat"], [False, True], ["rmsnorm", "layernorm"]))
@@ -33,6 +33,22 @@ def test_output_equals_target_greedy_for_every_toggle(
         tokens, stats = speculative_decode(micro_target.model, drafter, prompt, 24, k)
         assert tokens == reference
         assert stats.rounds > 0 and 1.0 <= stats.acceptance_length <= k + 1
+
+
+def test_one_prefill_serves_the_baseline_and_every_k(micro_cfg, micro_target, trained_eagle3, prompts):
+    """The evaluation runs a prompt's prefill once: each decoder crops the shared cache back to the prompt
+    and decodes what it decodes from a prefill of its own, and counts the shared prefill's seconds."""
+    (drafter, _), model, prompt = trained_eagle3, micro_target.model, prompts[0]
+    pre = prefill(model, prompt, drafter.spec.aux_layer_ids)
+    shared = [target_decode(model, prompt, 24, prefilled=pre)[0]]
+    own = [target_decode(model, prompt, 24)[0]]
+    for k in (3, 6):
+        tokens, stats = speculative_decode(model, drafter, prompt, 24, k, prefilled=pre)
+        shared.append(tokens)
+        own.append(speculative_decode(model, drafter, prompt, 24, k)[0])
+        assert stats.seconds > pre.seconds
+    assert shared == own and all(tokens == own[0] for tokens in own)
+    assert pre.cache().get_seq_length() == len(prompt)
 
 
 def test_smaller_draft_vocabulary_is_lossless_and_trains(micro_cfg, micro_target, micro_hidden, prompts):

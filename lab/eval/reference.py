@@ -28,7 +28,7 @@ import torch
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter, KVCache
 from lab.eval.probes import DriftProbes
-from lab.target import capture
+from lab.target import Captured, capture
 
 
 @dataclass
@@ -98,6 +98,32 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+@dataclass
+class Prefill:
+    """The target's forward over a prompt and the seconds it took, computed once per prompt and shared by
+    the baseline and every k (a long prompt's prefill costs more than its decoding); each decoder counts
+    `seconds` in its own time, as if it had run the prefill itself."""
+
+    prompt_len: int
+    captured: Captured  # aux and final [1, T, ...], the KV cache of the prompt
+    seconds: float
+
+    def cache(self):
+        """The prompt's KV cache, cropped back to the prompt: the decoder before left its tokens in it, and
+        the prompt's entries are never rewritten."""
+        cache = self.captured.past_key_values
+        cache.crop(self.prompt_len)
+        return cache
+
+
+@torch.no_grad()
+def prefill(target_model, prompt: list[int], aux_layers: list[int]) -> Prefill:
+    device = target_model.get_output_embeddings().weight.device
+    start = time.perf_counter()
+    captured = capture(target_model, torch.tensor([prompt], device=device), aux_layers, use_cache=True)
+    return Prefill(len(prompt), captured, time.perf_counter() - start)
+
+
 @torch.no_grad()
 def target_decode(
     target_model,
@@ -105,17 +131,20 @@ def target_decode(
     max_new_tokens: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    prefilled: Prefill | None = None,
 ) -> tuple[list[int], float]:
-    """Plain decoding of the target with its KV cache, one token per forward: the baseline."""
-    device = target_model.get_output_embeddings().weight.device
+    """Plain decoding of the target with its KV cache, one token per forward: the baseline. Its seconds
+    include the prompt's prefill."""
+    lm_head = target_model.get_output_embeddings().weight
+    pre = prefilled or prefill(target_model, prompt, [0])
     start = time.perf_counter()
-    out = target_model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    past, tokens = out.past_key_values, [_pick(out.logits[0, -1], temperature, generator)[0]]
+    past, tokens = pre.cache(), [_pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]]
     while len(tokens) < max_new_tokens:
-        out = target_model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=past, use_cache=True)
+        token = torch.tensor([[tokens[-1]]], device=lm_head.device)
+        out = target_model(input_ids=token, past_key_values=past, use_cache=True)
         past = out.past_key_values
         tokens.append(_pick(out.logits[0, -1], temperature, generator)[0])
-    return tokens, time.perf_counter() - start
+    return tokens, pre.seconds + time.perf_counter() - start
 
 
 def _accept(
@@ -154,19 +183,18 @@ def speculative_decode(
     probes: DriftProbes | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    prefilled: Prefill | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """Chain speculative decoding; returns the new tokens and the round statistics. With
-    `probes`, the drafter's attention and feedback at each drafting step are recorded (read-only:
-    the decoded tokens are the same)."""
+    """Chain speculative decoding; returns the new tokens and the round statistics (its seconds include
+    the prompt's prefill). With `probes`, the drafter's attention and feedback at each drafting step are
+    recorded (read-only: the decoded tokens are the same)."""
     aux_layers = drafter.spec.aux_layer_ids
     lm_head = target_model.get_output_embeddings().weight
     device, features = lm_head.device, drafter.fc.weight.dtype  # the drafter reads features in its own dtype
     stats = DecodeStats()
+    pre = prefilled or prefill(target_model, prompt, aux_layers)
     start = time.perf_counter()
-
-    ids = torch.tensor([prompt], device=device)
-    cap = capture(target_model, ids, aux_layers, use_cache=True)
-    target_cache = cap.past_key_values
+    cap, target_cache = pre.captured, pre.cache()
     pending = _pick(cap.final[0, -1] @ lm_head.T, temperature, generator)[0]
     generated = [pending]
     n = len(prompt)  # committed tokens in the target cache
@@ -214,7 +242,7 @@ def speculative_decode(
         generated.extend(drafts[:accepted] + [bonus])
         pending = bonus
 
-    stats.seconds = time.perf_counter() - start
+    stats.seconds = pre.seconds + time.perf_counter() - start
     generated = generated[:max_new_tokens]
     stats.generated = len(generated)
     return generated, stats

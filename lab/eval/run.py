@@ -21,7 +21,7 @@ from lab.data.text import Sequences
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
-from lab.eval.reference import DecodeStats, speculative_decode, target_decode
+from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
 from lab.target import capture, target_logits
 
 Metrics = dict[str, float | list[float]]
@@ -86,15 +86,17 @@ def evaluate_suite_prompts(
     records = []
     for index, (prompt, variant) in enumerate(zip(bar, suite.variants, strict=True)):
         tally = results[variant]
-        reference, seconds = target_decode(target_model, prompt, suite.max_new_tokens, temperature, gen)
+        pre = prefill(target_model, prompt, drafter.spec.aux_layer_ids)
+        reference, seconds = target_decode(target_model, prompt, suite.max_new_tokens, temperature, gen, pre)
         tally.base_seconds += seconds
+        tally.base_prefill_seconds += pre.seconds
         tally.base_tokens += len(reference)
         tally.prompts += 1
         by_k = {}
         for k in ks:
             drift = DriftProbes(k, n_sink) if probes else None
             tokens, stats = speculative_decode(
-                target_model, drafter, prompt, suite.max_new_tokens, k, drift, temperature, gen
+                target_model, drafter, prompt, suite.max_new_tokens, k, drift, temperature, gen, pre
             )
             tally.stats[k].merge(stats)
             tally.matches[k] += int(tokens == reference)
@@ -126,13 +128,14 @@ class _Tally:
     """Decode statistics and drift probes of one suite variant, per k."""
 
     def __init__(self, ks: list[int], n_sink: int, probes: bool):
-        self.base_seconds, self.base_tokens, self.prompts = 0.0, 0, 0
+        self.base_seconds, self.base_prefill_seconds, self.base_tokens, self.prompts = 0.0, 0.0, 0, 0
         self.stats = {k: DecodeStats() for k in ks}
         self.matches = dict.fromkeys(ks, 0)
         self.drift = {k: DriftProbes(k, n_sink) for k in ks} if probes else {}
 
     def merge(self, other: _Tally) -> None:
         self.base_seconds += other.base_seconds
+        self.base_prefill_seconds += other.base_prefill_seconds
         self.base_tokens += other.base_tokens
         self.prompts += other.prompts
         for k, st in other.stats.items():
@@ -143,13 +146,15 @@ class _Tally:
 
     def metrics(self, name: str, temperature: float) -> Metrics:
         out: Metrics = {keys.baseline_tokens_per_s(name): self.base_tokens / self.base_seconds}
+        # the target's cost per decoded token: its decoding without the prefill (the first token comes from it)
+        target_per_token = (self.base_seconds - self.base_prefill_seconds) / max(1, self.base_tokens - self.prompts)
         for k, st in self.stats.items():
             out[keys.acceptance_length(name, k)] = st.acceptance_length
             out[keys.accept_rate(name, k)] = st.accept_rate
             out[keys.cond_accept_rate(name, k)] = st.conditional_accept_rate
             out[keys.tokens_per_s(name, k)] = st.generated / st.seconds
             out[keys.speedup(name, k)] = self.base_seconds / st.seconds
-            c = st.draft_cost_ratio(k, self.base_seconds / self.base_tokens)
+            c = st.draft_cost_ratio(k, target_per_token)
             out[keys.draft_cost_ratio(name, k)] = c
             out[keys.chain_limit(name, k)] = st.acceptance_length / (1 + k * c)
             if temperature == 0:  # sampled outputs differ from the baseline's samples by design
