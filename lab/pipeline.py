@@ -47,6 +47,7 @@ from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
 from lab.fsutil import claim
+from lab.target import Target
 from lab.target import load as load_target
 from lab.train import resume
 from lab.train import torchspec as torchspec_backend
@@ -222,7 +223,7 @@ def run(
         return RunResult(mlrun.id, metrics, seconds)
 
 
-def resolved_device(target) -> dict[str, str]:
+def resolved_device(target: Target) -> dict[str, str]:
     """The run's params `resolved.device` and `resolved.dtype`: where `device=auto` / `dtype=auto` put the
     target (the params `device` and `dtype` say only what was asked for)."""
     return {"resolved.device": str(target.device), "resolved.dtype": str(target.dtype).removeprefix("torch.")}
