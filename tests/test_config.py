@@ -315,6 +315,7 @@ def test_a_key_added_with_a_default_keeps_the_hash():
     assert config_hash(compose([*same, "dtype=bfloat16"])) != config_hash(cfg)
 
 
+@pytest.mark.slow
 def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
     """A run recorded before a key existed still matches a fresh composition; a run keyed by the old scheme
     is named by `lab doctor` in one line and re-keyed by `lab doctor --rekey` from its logged config."""

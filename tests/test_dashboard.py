@@ -209,6 +209,7 @@ def _trials(count: int) -> Callable[[WebDriver], dict[str, tuple[str, str | None
     return ready
 
 
+@pytest.mark.slow
 def test_dashboard_shows_the_study_and_its_trials(browser: WebDriver, served: Served) -> None:
     name = f"{served.artifacts}_studies"
     browser.get(served.root_url)  # redirects to the study list

@@ -150,6 +150,7 @@ def test_corrupted_resume_checkpoint_trains_from_scratch(micro_overrides, micro_
 # -- a failed run says why ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_non_finite_loss_fails_the_run_with_its_reason(micro_overrides, micro_target, tmp_path):
     from lab.pipeline import run
 

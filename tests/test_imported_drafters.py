@@ -482,6 +482,7 @@ def imported_run(micro_overrides, micro_target, store, tmp_path_factory):
     return src, folder, proc.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_lab_run_evaluates_an_imported_drafter_and_logs_what_it_evaluated(
     imported_run, micro_overrides, micro_target, store, tmp_path
 ):
@@ -522,6 +523,7 @@ def test_lab_run_evaluates_an_imported_drafter_and_logs_what_it_evaluated(
     assert metrics["eval/in_dist/ref/k3/al"] == pytest.approx(direct, rel=0.02)
 
 
+@pytest.mark.slow
 def test_lab_export_takes_the_imported_run(imported_run, store, tmp_path):
     from lab.cli import main
 
