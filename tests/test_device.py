@@ -23,6 +23,7 @@ from lab.device import resolve_device
 from lab.drafter import init_drafter
 from lab.eval.reference import speculative_decode, target_decode
 from lab.eval.run import heldout_evaluation
+from lab.pipeline import resolved_device
 from lab.preflight import check_target
 from lab.target import load
 from lab.target.load import Target
@@ -169,6 +170,7 @@ def test_cpu_and_auto_compute_what_a_float32_cpu_run_did(folder, tmp_path, monke
     for i, keys in enumerate(configs):
         target = _load(folder, tmp_path, **keys)
         assert (target.device, target.dtype) == (torch.device("cpu"), torch.float32), keys
+        assert resolved_device(target) == {"resolved.device": "cpu", "resolved.dtype": "float32"}  # run params
         _same(_run(target, tmp_path / f"cache{i}"), expected)
 
 
@@ -187,6 +189,7 @@ def test_a_narrower_target_trains_a_float32_drafter_and_decodes_losslessly(folde
     target = _load(folder, tmp_path, device="cpu", dtype=name)
     plain = _load(folder, tmp_path, device="cpu", dtype="float32")
     assert target.model.dtype == dtype and target.fingerprint == f"{plain.fingerprint}-{name}"
+    assert resolved_device(target) == {"resolved.device": "cpu", "resolved.dtype": name}
     got = _run(target, tmp_path / "cache")
     assert got["cache"] == _cache_key(target) != _cache_key(plain)  # cached apart from the float32 states
     assert all(v.dtype in (torch.float32, torch.long) for v in got["drafter"].values())
