@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import torch
 
 from lab.drafter import DrafterSpec, Eagle3Drafter
@@ -32,3 +34,9 @@ def small_target(seed: int = 0):
         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
     )  # fmt: skip
     return LlamaForCausalLM(config).eval()
+
+
+def default_sigint() -> None:
+    """Popen's preexec_fn for a child the test interrupts: Ctrl-C's default disposition, even where the suite
+    itself runs with SIGINT ignored (a script's background job), which the child would otherwise inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

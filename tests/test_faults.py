@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import small_drafter
+from helpers import default_sigint, small_drafter
 
 from lab import track
 from lab.config import aux_layers, compose
@@ -22,6 +22,7 @@ from lab.drafter import load_checkpoint, save_native
 from lab.drafter.formats import MANIFEST as DRAFTER_MANIFEST
 from lab.fsutil import sha256_file
 from lab.train import resume
+from lab.train.ttt import HOLD_ENV
 
 
 def _store(path: Path) -> list[str]:
@@ -176,11 +177,13 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
     path = resume.checkpoint_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
     cmd = [sys.executable, "-m", "lab.cli", "run", *overrides, *_store(tmp_path / "a")]
     env = {**os.environ, "TQDM_DISABLE": "1"}
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    out, err, held = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "held"
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, env=env, cwd=workdir)
+        # training waits after step 7 (its step-5 checkpoint written) until interrupted (lab.train.ttt.HOLD_ENV)
+        hold = {**env, HOLD_ENV: f"7:{held}"}
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, env=hold, cwd=workdir, preexec_fn=default_sigint)
         deadline = time.time() + 150
-        while not (path / resume.MANIFEST).is_file():
+        while not held.exists():
             assert proc.poll() is None and time.time() < deadline, err.read_text()[-3000:]
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)

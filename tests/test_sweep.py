@@ -13,6 +13,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from helpers import default_sigint
 
 from lab import track
 from lab.config import ConfigError, redact
@@ -438,7 +439,9 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     # the first trial's training waits after step 5 until interrupted: the interrupt lands mid-training however
     # fast the machine is (lab.train.ttt.HOLD_ENV)
     env = {**os.environ, HOLD_ENV: f"5:{held}"}
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env, preexec_fn=default_sigint
+    )
     deadline = time.time() + 600
     try:
         while not held.exists():
