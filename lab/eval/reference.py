@@ -112,7 +112,8 @@ class Prefill:
         """The prompt's KV cache, cropped back to the prompt: the decoder before left its tokens in it, and
         the prompt's entries are never rewritten."""
         cache = self.captured.past_key_values
-        cache.crop(self.prompt_len)
+        if (extra := cache.get_seq_length() - self.prompt_len) > 0:
+            cache.crop(-extra)  # transformers deprecates cropping to a positive length
         return cache
 
 
