@@ -24,6 +24,18 @@ def small_drafter(seed: int = 0, **spec) -> Eagle3Drafter:
     return Eagle3Drafter(DrafterSpec(**{**base, **spec})).eval()
 
 
+@torch.no_grad()
+def perturb(drafter: Eagle3Drafter, draft_vocab: int | None = None) -> Eagle3Drafter:
+    """Norms away from 1 and weights away from their init (so that a missing or misplaced norm shows), and
+    with `draft_vocab` a random pruned vocabulary; draws from torch's global generator."""
+    for name, p in drafter.named_parameters():
+        p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    if draft_vocab:
+        ids = torch.randperm(drafter.spec.vocab_size)[:draft_vocab].sort().values
+        drafter.d2t.copy_(ids - torch.arange(draft_vocab))
+    return drafter
+
+
 def small_target(seed: int = 0):
     """A random 4-layer, 64-wide Llama over the same 100-token vocabulary (transformers' LlamaForCausalLM)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from helpers import perturb
 from omegaconf import OmegaConf
 
 from lab.config import ConfigError, compose
@@ -53,15 +54,7 @@ def _drafter(fc_norm: str, norm_output: bool, draft_vocab: int | None = None, se
         norm_output=norm_output,
     )
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(spec)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            # norms away from 1 and weights away from init, so that a missing or misplaced norm shows
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-        if draft_vocab:
-            ids = torch.randperm(VOCAB)[:draft_vocab].sort().values
-            drafter.d2t.copy_(ids - torch.arange(draft_vocab))
-    return drafter
+    return perturb(Eagle3Drafter(spec), draft_vocab)
 
 
 def _batch(seed: int = 1, b: int = 2, t: int = 24):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import perturb
 
 from lab.config import aux_layers
 from lab.data.cache import HiddenStates
@@ -196,12 +197,7 @@ def test_ttt_loss_equals_the_dense_computation(
         if drafters:
             d.load_state_dict(drafters[0].state_dict())
         else:
-            with torch.no_grad():
-                for name, p in d.named_parameters():
-                    p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-                if draft_vocab:
-                    ids = torch.randperm(vocab)[:draft_vocab].sort().values
-                    d.d2t.copy_(ids - torch.arange(draft_vocab))
+            perturb(d, draft_vocab)
         drafters.append(d)
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, vocab, (b, t), generator=g)
