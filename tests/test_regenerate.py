@@ -144,6 +144,22 @@ def test_interrupted_run_resumes_from_finished_chunks(micro_target, chat, tmp_pa
     assert resumed.conversations == whole.conversations
 
 
+def test_a_larger_selection_regenerates_only_its_new_chunks(micro_target, chat, tmp_path, monkeypatch):
+    small = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[:4], chunk_size=2)
+    real = regen._regenerate_chunk
+    calls = []
+    monkeypatch.setattr(regen, "_regenerate_chunk", lambda *a, **k: (calls.append(a[3][0].id), real(*a, **k))[1])
+    large = run(micro_target, chat, tmp_path, chunk_size=2)  # the same order, one more chunk
+    assert calls == ["e"] and large.path == small.path
+    assert large.stats["chunks_generated"] == 1 and large.stats["chunks_loaded"] == 2
+    assert large.conversations[:4] == small.conversations
+    again = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[:4], chunk_size=2)
+    assert again.stats["hit"] and calls == ["e"]  # the smaller selection is still whole
+    # a split keeps the chunks before it whatever follows: [a b] [c] | [d e]
+    run(micro_target, chat, tmp_path / "split", chunk_size=2, splits=(3,))
+    assert run(micro_target, chat, tmp_path / "split", conversations=CONVERSATIONS[:3], chunk_size=2).stats["hit"]
+
+
 def test_later_turns_follow_the_targets_earlier_answers(micro_target, chat, tmp_path, monkeypatch):
     prompts = []
     real = regen.open_generator

@@ -94,6 +94,7 @@ def chat_data(
             target,
             train + heldout,
             chat,
+            splits=(len(train),),
             max_new_tokens=dcfg.max_new_tokens,
             seq_len=dcfg.seq_len,
             backend=str(getattr(dcfg.generator, "value", dcfg.generator)),

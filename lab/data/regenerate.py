@@ -16,17 +16,20 @@ Cutting, so that no token is generated that the training sequence (`seq_len` tok
 - an empty answer (the target ends its turn at once) is kept as "" and ends the conversation: a next turn
   would follow an assistant that said nothing, a conversation no one has.
 
-Cache: `{cache_dir}/regen/{key}/part_00000.jsonl ... manifest.json`, one part per chunk of `chunk_size`
+Cache: `{cache_dir}/regen/{key}/part_{chunk}.jsonl ... manifest.json`, one part per chunk of `chunk_size`
 conversations, published as each chunk finishes (with its sha256 in the manifest, checked on every load),
-so an interrupted run resumes from the finished chunks. The key hashes the target, the conversations, the
-chat template, the generation settings and the backend (vLLM's bf16 and transformers' fp32 greedy answers
-differ), so a complete entry is a hit that never runs the target. A file lock keeps two processes from
+so an interrupted run resumes from the finished chunks. The key hashes the target, the chat template, the
+generation settings and the backend (vLLM's bf16 and transformers' fp32 greedy answers differ); each part
+is named by the hash of its chunk's conversations. A selection is a seeded order cut at a count, so a
+larger selection starts with the smaller one's chunks and regenerates only the new ones; a selection whose
+chunks are all there is a hit that never runs the target. A file lock keeps two processes from
 regenerating the same entry at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from lab.data.conversations import Conversation
 from lab.fsutil import atomic_file, file_lock, read_manifest, sha256_file, short_hash
 from lab.target.generate import Generate, open_generator, resolve_backend, resolve_dtype
 
-FORMAT = 1
+FORMAT = 2  # 2: parts named by their chunk's conversations, so selections share them
 MANIFEST = "manifest.json"
 CHUNK_CONVERSATIONS = 64
 
@@ -71,7 +74,6 @@ def conversations_hash(conversations: list[Conversation]) -> str:
 
 def cache_key(
     target: Any,
-    conversations: list[Conversation],
     chat: Any,
     max_new_tokens: int,
     seq_len: int,
@@ -82,7 +84,6 @@ def cache_key(
     return short_hash(
         {
             "target": target.fingerprint,
-            "conversations": conversations_hash(conversations),
             "chat": chat_identity(chat),
             "max_new_tokens": max_new_tokens,
             "seq_len": seq_len,
@@ -107,31 +108,41 @@ def regenerate(
     threads: int | None = None,
     dtype: str = "auto",
     chunk_size: int = CHUNK_CONVERSATIONS,
+    splits: tuple[int, ...] = (),
 ) -> RegenResult:
     """`conversations` (same ids, same order) with every assistant turn the target's greedy answer, cut as the
-    module docstring says; from the cache when the entry is complete. `dtype` is vLLM's (the hf backend runs
-    the loaded model as it is, and the key records that model's dtype instead)."""
+    module docstring says; from the cache when the entry is complete. No chunk straddles an index in `splits`
+    (where one selection ends and the next begins), so each selection's chunks are the same whatever follows
+    it. `dtype` is vLLM's (the hf backend runs the loaded model as it is, and the key records that model's
+    dtype instead)."""
     conversations = list(conversations)
     backend = resolve_backend(backend)
     gen_dtype = resolve_dtype(dtype) if backend == "vllm" else str(target.model.dtype).removeprefix("torch.")
-    key = cache_key(target, conversations, chat, max_new_tokens, seq_len, backend, gen_dtype, chunk_size)
+    key = cache_key(target, chat, max_new_tokens, seq_len, backend, gen_dtype, chunk_size)
     path = Path(cache_dir) / "regen" / key
-    chunks = [conversations[i : i + chunk_size] for i in range(0, len(conversations), chunk_size)]
+    edges = sorted({0, len(conversations), *splits})
+    chunks = [
+        conversations[i : min(i + chunk_size, end)]
+        for start, end in itertools.pairwise(edges)
+        for i in range(start, end, chunk_size)
+    ]
+    names = [_part_name(chunk) for chunk in chunks]
     started = time.time()
     run = {"generated_tokens": 0, "generation_seconds": 0.0, "chunks_generated": 0}
 
     manifest = _verified(path)
-    hit = _complete(manifest, len(chunks))
+    hit = _complete(manifest, names)
     if not hit:
         with file_lock(path.with_suffix(".lock")):
             manifest = _verified(path)  # another process may have finished (some of) it while we waited
-            hit = _complete(manifest, len(chunks))
+            hit = _complete(manifest, names)
             if not hit:
                 manifest = _build(
-                    target, chunks, chat, path, key, manifest, run, max_new_tokens, seq_len, backend,
+                    target, chunks, names, chat, path, key, manifest, run, max_new_tokens, seq_len, backend,
                     gen_dtype, threads, progress,
                 )  # fmt: skip
-    records = [r for index in range(len(chunks)) for r in _read_part(path, manifest["parts"][_part_name(index)])]
+    parts = [manifest["parts"][name] for name in names]
+    records = [r for part in parts for r in _read_part(path, part)]
     if [r["id"] for r in records] != [c.id for c in conversations]:
         raise RuntimeError(f"regeneration cache {path}: stored conversation ids differ from the requested ones")
     out = [Conversation(r["id"], tuple(r["messages"])) for r in records]
@@ -147,9 +158,9 @@ def regenerate(
         "tokens_per_s": run["generated_tokens"] / seconds if seconds > 0 else 0.0,
         "chunks_generated": run["chunks_generated"],
         "chunks_loaded": len(chunks) - run["chunks_generated"],
-        # over the whole entry, whichever runs produced it: what a hit saves
-        "total_generated_tokens": sum(p["generated_tokens"] for p in manifest["parts"].values()),
-        "total_generation_seconds": sum(p["seconds"] for p in manifest["parts"].values()),
+        # over this selection's chunks, whichever runs produced them: what a hit saves
+        "total_generated_tokens": sum(p["generated_tokens"] for p in parts),
+        "total_generation_seconds": sum(p["seconds"] for p in parts),
     }
     cut = {r["id"]: r["cut"] for r in records if r["cut"]}
     stats["cut_seq_len"] = sum(v == "seq_len" for v in cut.values())
@@ -157,8 +168,8 @@ def regenerate(
     return RegenResult(out, stats, path, cut)
 
 
-def _part_name(index: int) -> str:
-    return f"part_{index:05d}.jsonl"
+def _part_name(chunk: list[Conversation]) -> str:
+    return f"part_{conversations_hash(chunk)[:16]}.jsonl"
 
 
 def _verified(path: Path) -> dict | None:
@@ -176,8 +187,8 @@ def _verified(path: Path) -> dict | None:
     return manifest
 
 
-def _complete(manifest: dict | None, num_chunks: int) -> bool:
-    return manifest is not None and all(_part_name(i) in manifest["parts"] for i in range(num_chunks))
+def _complete(manifest: dict | None, names: list[str]) -> bool:
+    return manifest is not None and all(name in manifest["parts"] for name in names)
 
 
 def _read_part(path: Path, part: dict) -> list[dict]:
@@ -185,7 +196,7 @@ def _read_part(path: Path, part: dict) -> list[dict]:
 
 
 def _build(
-    target, chunks, chat, path, key, manifest, run, max_new_tokens, seq_len, backend, dtype, threads, progress
+    target, chunks, names, chat, path, key, manifest, run, max_new_tokens, seq_len, backend, dtype, threads, progress
 ) -> dict:
     path.mkdir(parents=True, exist_ok=True)
     manifest = manifest or {
@@ -196,11 +207,9 @@ def _build(
         "dtype": dtype,
         "max_new_tokens": max_new_tokens,
         "seq_len": seq_len,
-        "num_conversations": sum(len(c) for c in chunks),
-        "num_chunks": len(chunks),
         "parts": {},
     }
-    todo = [i for i in range(len(chunks)) if _part_name(i) not in manifest["parts"]]
+    todo = [i for i, name in enumerate(names) if name not in manifest["parts"]]
     if not todo:  # nothing to generate (no conversations): no reason to start an engine
         _write_manifest(path, manifest)
         return manifest
@@ -215,7 +224,7 @@ def _build(
             started = time.perf_counter()
             records = _regenerate_chunk(generate, chat, target.tokenizer, chunks[index], max_new_tokens, seq_len, bar)
             seconds = time.perf_counter() - started
-            name = _part_name(index)
+            name = names[index]
             with atomic_file(path / name) as tmp:
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
             tokens = sum(r["generated_tokens"] for r in records)
