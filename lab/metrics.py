@@ -104,6 +104,16 @@ def chain_limit(suite: str, k: int) -> str:
     return f"eval/{suite}/ref/k{k}/chain_limit"
 
 
+def verify_cost_ratio(suite: str, k: int) -> str:
+    """Reference decoder: `v`, one verification of k + 1 tokens over the target's seconds per plain-decoded token."""
+    return f"eval/{suite}/ref/k{k}/verify_cost_ratio"
+
+
+def verify_limit(suite: str, k: int) -> str:
+    """Reference decoder: the chain limit at the measured verification cost, AL / (v + k c)."""
+    return f"eval/{suite}/ref/k{k}/verify_limit"
+
+
 def baseline_tokens_per_s(suite: str) -> str:
     """Reference decoder: output tokens per second of plain decoding of the target."""
     return f"eval/{suite}/ref/baseline_tokens_per_s"

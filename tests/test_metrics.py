@@ -130,6 +130,7 @@ def _suite_keys(suite: str, k: int, probes: bool) -> set[str]:
     out |= {f(suite, k) for f in (keys.acceptance_length, keys.accept_rate, keys.cond_accept_rate)}
     out |= {keys.tokens_per_s(suite, k), keys.speedup(suite, k), keys.exact_match(suite, k)}
     out |= {keys.draft_cost_ratio(suite, k), keys.chain_limit(suite, k)}
+    out |= {keys.verify_cost_ratio(suite, k), keys.verify_limit(suite, k)}
     return out | ({keys.drift(suite, k, c) for c in get_args(keys.DriftCurve)} if probes else set())
 
 

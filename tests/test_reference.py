@@ -98,8 +98,9 @@ def test_trained_drafter_beats_untrained(micro_cfg, micro_target, trained_eagle3
 def test_the_chain_limit_is_al_over_one_plus_k_c():
     """`c` is the drafter's measured seconds per drafted token over the target's per plain-decoded token; the
     chain limit AL / (1 + k c) is logged beside the speedup it bounds."""
-    stats = DecodeStats(rounds=4, accepted=6, draft_seconds=0.6)
+    stats = DecodeStats(rounds=4, accepted=6, draft_seconds=0.6, verify_seconds=0.6)
     assert stats.draft_cost_ratio(3, target_seconds_per_token=0.1) == pytest.approx(0.6 / 12 / 0.1)
+    assert stats.verify_cost_ratio(target_seconds_per_token=0.1) == pytest.approx(0.6 / 4 / 0.1)
     from helpers import small_drafter, small_target
 
     from lab.data.suites import Suite
@@ -111,6 +112,9 @@ def test_the_chain_limit_is_al_over_one_plus_k_c():
         c = m[f"eval/mix/ref/k{k}/draft_cost_ratio"]
         assert c > 0
         assert m[f"eval/mix/ref/k{k}/chain_limit"] == pytest.approx(m[f"eval/mix/ref/k{k}/al"] / (1 + k * c))
+        v = m[f"eval/mix/ref/k{k}/verify_cost_ratio"]
+        assert v > 0
+        assert m[f"eval/mix/ref/k{k}/verify_limit"] == pytest.approx(m[f"eval/mix/ref/k{k}/al"] / (v + k * c))
 
 
 def _chi2_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -185,7 +189,7 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
         assert (rates / rounds).tolist() == pytest.approx(m[f"eval/mix/ref/k{k}/accept_rate"], rel=1e-12)
     # the same metrics as evaluate_suite's, but for the timings
     again = evaluate_suite(model, drafter, suite, ks, progress=False, probes=True, temperature=1.0, seed=3)
-    timed = ("tokens_per_s", "speedup", "draft_cost_ratio", "chain_limit")
+    timed = ("tokens_per_s", "speedup", "draft_cost_ratio", "chain_limit", "verify_cost_ratio", "verify_limit")
     assert {k: v for k, v in again.items() if not k.endswith(timed)} == {
         k: v for k, v in m.items() if not k.endswith(timed)
     }

@@ -39,6 +39,7 @@ class DecodeStats:
     generated: int = 0
     seconds: float = 0.0
     draft_seconds: float = 0.0  # of `seconds`: the drafter's forwards and lm_head, k per round
+    verify_seconds: float = 0.0  # of `seconds`: the target's forward over the k + 1 tokens and its lm_head
 
     def add_round(self, k: int, accepted: int) -> None:
         if not self.accepted_at:
@@ -58,6 +59,7 @@ class DecodeStats:
         self.generated += other.generated
         self.seconds += other.seconds
         self.draft_seconds += other.draft_seconds
+        self.verify_seconds += other.verify_seconds
 
     @property
     def acceptance_length(self) -> float:
@@ -67,6 +69,10 @@ class DecodeStats:
     def draft_cost_ratio(self, k: int, target_seconds_per_token: float) -> float:
         """`c`: the drafter's seconds per drafted token (k per round) over the target's per decoded token."""
         return self.draft_seconds / max(1, self.rounds * k) / target_seconds_per_token
+
+    def verify_cost_ratio(self, target_seconds_per_token: float) -> float:
+        """`v`: one verification (k + 1 tokens through the target) over the target's seconds per decoded token."""
+        return self.verify_seconds / max(1, self.rounds) / target_seconds_per_token
 
     @property
     def accept_rate(self) -> list[float]:
@@ -225,11 +231,13 @@ def speculative_decode(
                 if j + 1 < k:
                     token, position = torch.tensor([[tok]], device=device), torch.tensor([[n + j]], device=device)
                     h_out = drafter(token, fed_back, position, dcache)
-        stats.draft_seconds += time.perf_counter() - drafting
+        verifying = time.perf_counter()
+        stats.draft_seconds += verifying - drafting
         verify = capture(
             target_model, torch.tensor([[pending] + drafts], device=device), aux_layers, past_key_values=target_cache
         )
         accepted, bonus = _accept(drafts, draft_probs, verify.final[0] @ lm_head.T, temperature, generator)
+        stats.verify_seconds += time.perf_counter() - verifying
         stats.add_round(k, accepted)
 
         target_cache = verify.past_key_values

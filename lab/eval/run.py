@@ -157,6 +157,10 @@ class _Tally:
             c = st.draft_cost_ratio(k, target_per_token)
             out[keys.draft_cost_ratio(name, k)] = c
             out[keys.chain_limit(name, k)] = st.acceptance_length / (1 + k * c)
+            # verifying k + 1 tokens costs more than one decode step: the part of the gap that is not overhead
+            v = st.verify_cost_ratio(target_per_token)
+            out[keys.verify_cost_ratio(name, k)] = v
+            out[keys.verify_limit(name, k)] = st.acceptance_length / (v + k * c)
             if temperature == 0:  # sampled outputs differ from the baseline's samples by design
                 out[keys.exact_match(name, k)] = self.matches[k] / self.prompts
             if k in self.drift:
