@@ -547,6 +547,8 @@ def _check_hash_scheme(uri: str, rekey: bool) -> None:
         logged = track.logged_config(uri, run.info.run_id)
         if logged is None or (logged.get("drafter") or {}).get("checkpoint"):
             continue  # no config, or an imported drafter's (its logged keys are the checkpoint's): rerun
+        # before scheme 3 every prompt decoded max_new_tokens: the default now stops at eos
+        logged.setdefault("eval", {}).setdefault("stop_at_eos", False)
         track.set_run_tags(
             uri,
             run.info.run_id,

@@ -250,6 +250,9 @@ class EvalConfig:
     # conversations: the longest in_dist / template / system_prompt prompt in tokens
     max_prompt_len: int = checked(512, **POSITIVE)
     max_new_tokens: int = checked(64, **POSITIVE)
+    # decoding ends at the target's eos, as served (no tokens after the answer are scored); false: every
+    # prompt decodes max_new_tokens (fixed-length timing)
+    stop_at_eos: bool = True
     temperature: float = checked(0.0, min=0.0)  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
     n_sink: int = checked(1, **POSITIVE)  # leading positions counted as the attention sink
@@ -1039,7 +1042,8 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
 # Bumped only when a default's meaning changes (a run that left the key at its default computed something
 # else then): config_hash covers the values that differ from the schema's defaults, so a key added with a
 # default leaves every recorded hash unchanged. Runs carry it as the tag `config_hash_scheme`.
-CONFIG_HASH_SCHEME = 2  # 1: a hash of every key (until 2026-11)
+# 1: a hash of every key (until 2026-11); 2: the changed values; 3: evaluation stops at the target's eos
+CONFIG_HASH_SCHEME = 3
 _NOT_SET = object()
 
 

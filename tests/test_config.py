@@ -325,7 +325,7 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
     uri, root = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
     overrides = ["target=micro", "data=micro", "drafter=eagle31", "train.steps=7"]
     logged = OmegaConf.to_container(compose(overrides), enum_to_str=True)
-    del logged["train"]["min_lr_ratio"]
+    del logged["train"]["min_lr_ratio"], logged["eval"]["stop_at_eos"]
     tags = {"config_hash": config_hash(logged), "config_hash_scheme": CONFIG_HASH_SCHEME}
     with track.start_run(uri, root, "s", "new", tags) as run:
         run.log_dict(logged, "config.yaml")
@@ -342,7 +342,9 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
     said = subprocess.run([*doctor, "--rekey"], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert "store: re-keyed 1 of 1 run(s)" in said
     tags = track.get_run(uri, old.id).data.tags
-    assert (tags["config_hash"], tags["config_hash_previous"]) == (config_hash(compose(overrides)), "0123456789ab")
+    # it decoded every prompt to max_new_tokens, as runs did before scheme 3: re-keyed as such
+    rekeyed = config_hash(compose([*overrides, "eval.stop_at_eos=false"]))
+    assert (tags["config_hash"], tags["config_hash_previous"]) == (rekeyed, "0123456789ab")
     said = subprocess.run(doctor, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert "store:" not in said
 

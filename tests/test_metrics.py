@@ -202,7 +202,8 @@ def test_the_vllm_worker_and_backend_log_the_builders_keys(tmp_path, monkeypatch
     job = {
         "target": "t", "drafter": "d", "dtype": "float32", "ks": ks, "max_new_tokens": 4, "temperature": 0.0,
         "concurrency": cs, "throughput_suites": ["mix"], "max_model_len": 64, "kv_cache_gib": 1, "threads": 1,
-        "seed": 0, "suites": [{"name": suite.name, "prompts": suite.prompts, "variants": suite.variants}],
+        "seed": 0,
+        "suites": [{"name": suite.name, "prompts": suite.prompts, "variants": suite.variants, "stop_ids": [0]}],
     }  # fmt: skip
     (tmp_path / "job.json").write_text(json.dumps(job))
     assert vllm_worker.main([str(tmp_path / "job.json"), str(tmp_path / "result.json")]) == 0

@@ -51,6 +51,44 @@ def test_one_prefill_serves_the_baseline_and_every_k(micro_cfg, micro_target, tr
     assert pre.cache().get_seq_length() == len(prompt)
 
 
+def test_decoding_ends_at_a_stop_token(micro_target, trained_eagle3, prompts):
+    """With `stop_ids`, the baseline and every k end after the first stop token, which they keep: the
+    target's greedy output up to it, with no round after it."""
+    (drafter, _), model, prompt = trained_eagle3, micro_target.model, prompts[0]
+    reference, _ = target_decode(model, prompt, 24)
+    end = next(i for i, tok in enumerate(reference) if i >= 4 and tok not in reference[:i])  # first seen at i
+    stop = (reference[end],)
+    assert target_decode(model, prompt, 24, stop_ids=stop)[0] == reference[: end + 1]
+    for k in (1, 3, 6):
+        tokens, stats = speculative_decode(model, drafter, prompt, 24, k, stop_ids=stop)
+        assert tokens == reference[: end + 1] and stats.generated == end + 1
+        # each round outputs its accepted drafts and a bonus token, but the one that stops inside its drafts
+        assert stats.accepted + stats.rounds <= len(tokens) <= 1 + stats.accepted + stats.rounds
+    assert speculative_decode(model, drafter, prompt, 24, 3, stop_ids=(reference[0],))[0] == reference[:1]
+
+
+def test_accepted_drafts_after_a_stop_token_do_not_count(micro_cfg, micro_target, prompts, monkeypatch):
+    """A round whose accepted drafts hold a stop token counts the drafts up to it and none after: they are
+    not output (vLLM's counters differ here; they count what the sampler accepted)."""
+    import lab.eval.reference as reference_module
+
+    drafter = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=1).eval()
+    real = reference_module._accept
+    rounds: list[list[int]] = []
+
+    def accept_all(drafts, *args):  # every draft accepted, as a drafter that agrees with its target would be
+        rounds.append(list(drafts))
+        return len(drafts), real(drafts, *args)[1]
+
+    monkeypatch.setattr(reference_module, "_accept", accept_all)
+    speculative_decode(micro_target.model, drafter, prompts[0], 24, 4)
+    first = rounds[0]
+    at = next(i for i, tok in enumerate(first) if tok not in first[:i] and i > 0)
+    tokens, stats = speculative_decode(micro_target.model, drafter, prompts[0], 24, 4, stop_ids=(first[at],))
+    assert stats.rounds == 1 and stats.accepted == at + 1 and stats.accepted_at == [1] * (at + 1) + [0] * (3 - at)
+    assert len(tokens) == 1 + at + 1 and tokens[-1] == first[at]
+
+
 def test_smaller_draft_vocabulary_is_lossless_and_trains(micro_cfg, micro_target, micro_hidden, prompts):
     """EAGLE-3's d2t: lm_head over the most frequent tokens, mapped back to target ids."""
     from lab.train.ttt import train

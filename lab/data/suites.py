@@ -38,6 +38,7 @@ class Suite:
     variants: list[str]  # per prompt: the template, system prompt, context length or category
     max_new_tokens: int
     texts: list[str] = field(default_factory=list)  # decoded prompts, for the record
+    stop_ids: tuple[int, ...] = ()  # decoding ends after one of these (the target's eos), else at max_new_tokens
 
     def describe(self) -> dict:
         return {
@@ -45,6 +46,8 @@ class Suite:
             "num_prompts": len(self.prompts),
             "variants": sorted(set(self.variants)),
             "prompt_lens": [min(map(len, self.prompts)), max(map(len, self.prompts))],
+            "max_new_tokens": self.max_new_tokens,
+            "stop_ids": list(self.stop_ids),
         }
 
     def records(self) -> list[dict]:
@@ -141,6 +144,7 @@ def build_suite(name: str, tokenizer, cfg: DictConfig, chat_inputs: ChatSuiteInp
         variants=[v for v, _ in prompts],
         max_new_tokens=cfg.eval.max_new_tokens,
         texts=[tokenizer.decode(p) for _, p in prompts],
+        stop_ids=(tokenizer.eos_token_id,) if cfg.eval.stop_at_eos and tokenizer.eos_token_id is not None else (),
     )
 
 

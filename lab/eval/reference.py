@@ -139,14 +139,15 @@ def target_decode(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     prefilled: Prefill | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> tuple[list[int], float]:
-    """Plain decoding of the target with its KV cache, one token per forward: the baseline. Its seconds
-    include the prompt's prefill."""
+    """Plain decoding of the target with its KV cache, one token per forward: the baseline, ending after a
+    token of `stop_ids` (kept) or at `max_new_tokens`. Its seconds include the prompt's prefill."""
     lm_head = target_model.get_output_embeddings().weight
     pre = prefilled or prefill(target_model, prompt, [0])
     start = time.perf_counter()
     past, tokens = pre.cache(), [_pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]]
-    while len(tokens) < max_new_tokens:
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         token = torch.tensor([[tokens[-1]]], device=lm_head.device)
         out = target_model(input_ids=token, past_key_values=past, use_cache=True)
         past = out.past_key_values
@@ -191,10 +192,13 @@ def speculative_decode(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     prefilled: Prefill | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> tuple[list[int], DecodeStats]:
-    """Chain speculative decoding; returns the new tokens and the round statistics (its seconds include
-    the prompt's prefill). With `probes`, the drafter's attention and feedback at each drafting step are
-    recorded (read-only: the decoded tokens are the same)."""
+    """Chain speculative decoding, ending after a token of `stop_ids` (kept) or at `max_new_tokens`; returns
+    the new tokens and the round statistics (its seconds include the prompt's prefill). A round that
+    reaches a stop token counts its accepted drafts up to and including it: what follows is no output.
+    With `probes`, the drafter's attention and feedback at each drafting step are recorded (read-only: the
+    decoded tokens are the same)."""
     aux_layers = drafter.spec.aux_layer_ids
     lm_head = target_model.get_output_embeddings().weight
     device, features = lm_head.device, drafter.fc.weight.dtype  # the drafter reads features in its own dtype
@@ -210,7 +214,7 @@ def speculative_decode(
     # drafter context: entry t = (features of t, token t+1), for the positions just committed
     ctx_tokens, ctx_aux, ctx_start = prompt[1:] + [pending], cap.aux, 0
 
-    while len(generated) < max_new_tokens:
+    while len(generated) < max_new_tokens and pending not in stop_ids:
         drafting = time.perf_counter()
         with autocast(device, lm_head.dtype):
             positions = torch.arange(ctx_start, ctx_start + len(ctx_tokens), device=device)[None]
@@ -238,6 +242,11 @@ def speculative_decode(
         )
         accepted, bonus = _accept(drafts, draft_probs, verify.final[0] @ lm_head.T, temperature, generator)
         stats.verify_seconds += time.perf_counter() - verifying
+        stop = next((i for i, tok in enumerate(drafts[:accepted]) if tok in stop_ids), None)
+        if stop is not None:  # an accepted draft ends the answer: nothing after it is output
+            stats.add_round(k, stop + 1)
+            generated.extend(drafts[: stop + 1])
+            break
         stats.add_round(k, accepted)
 
         target_cache = verify.past_key_values

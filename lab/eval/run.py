@@ -87,7 +87,9 @@ def evaluate_suite_prompts(
     for index, (prompt, variant) in enumerate(zip(bar, suite.variants, strict=True)):
         tally = results[variant]
         pre = prefill(target_model, prompt, drafter.spec.aux_layer_ids)
-        reference, seconds = target_decode(target_model, prompt, suite.max_new_tokens, temperature, gen, pre)
+        reference, seconds = target_decode(
+            target_model, prompt, suite.max_new_tokens, temperature, gen, pre, suite.stop_ids
+        )
         tally.base_seconds += seconds
         tally.base_prefill_seconds += pre.seconds
         tally.base_tokens += len(reference)
@@ -96,7 +98,7 @@ def evaluate_suite_prompts(
         for k in ks:
             drift = DriftProbes(k, n_sink) if probes else None
             tokens, stats = speculative_decode(
-                target_model, drafter, prompt, suite.max_new_tokens, k, drift, temperature, gen, pre
+                target_model, drafter, prompt, suite.max_new_tokens, k, drift, temperature, gen, pre, suite.stop_ids
             )
             tally.stats[k].merge(stats)
             tally.matches[k] += int(tokens == reference)

@@ -71,7 +71,10 @@ def evaluate(
             "kv_cache_gib": v.kv_cache_gib,
             "threads": threads,
             "seed": seed,
-            "suites": [{"name": s.name, "prompts": s.prompts, "variants": s.variants} for s in suites],
+            "suites": [
+                {"name": s.name, "prompts": s.prompts, "variants": s.variants, "stop_ids": list(s.stop_ids)}
+                for s in suites
+            ],
         }
         (Path(tmp) / "job.json").write_text(json.dumps(job))
         result_path = Path(tmp) / "result.json"

@@ -14,6 +14,7 @@ times is taken under the same load. Only this module imports vllm.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -80,23 +81,29 @@ def run(job: dict) -> dict:
         skip_tokenizer_init=True,
         load_format="safetensors",  # never a pickled .bin/.pt, for the target and the drafter alike
     )
+    # the model's own eos is ignored: a suite stops at its `stop_ids` (the reference decoder's), or at none
     plain = dict(ignore_eos=True, detokenize=False)
     temperature, max_new = job["temperature"], job["max_new_tokens"]
-    sampling = SamplingParams(temperature=temperature, max_tokens=max_new, seed=job["seed"], **plain)
     warm = SamplingParams(temperature=0.0, max_tokens=4, **plain)
     timings: dict[str, float] = {}
 
-    def generate(llm: Any, prompts: list[list[int]], params: Any = None) -> tuple[list[list[int]], float]:
+    def generate(llm: Any, prompts: list[list[int]], stop_ids: list[int]) -> tuple[list[list[int]], float]:
+        params = SamplingParams(
+            temperature=temperature, max_tokens=max_new, seed=job["seed"], stop_token_ids=stop_ids, **plain
+        )
         start = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params or sampling, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+    def warm_up(llm: Any) -> None:
+        llm.generate([TokensPrompt(prompt_token_ids=job["suites"][0]["prompts"][0])], warm, use_tqdm=False)
 
     t0 = time.perf_counter()
     base = LLM(model=job["target"], **engine)
     timings[keys.vllm_worker("startup_baseline_s")] = up_s = time.perf_counter() - t0
     say(f"target engine up in {up_s:.0f}s")
-    generate(base, [job["suites"][0]["prompts"][0]], warm)
-    reference = {s["name"]: generate(base, s["prompts"])[0] for s in job["suites"]}
+    warm_up(base)
+    reference = {s["name"]: generate(base, s["prompts"], s["stop_ids"])[0] for s in job["suites"]}
 
     results: dict[str, Any] = {}
     for k in job["ks"]:
@@ -108,14 +115,14 @@ def run(job: dict) -> dict:
         )
         timings[keys.vllm_startup_s(k)] = up_s = time.perf_counter() - t0
         say(f"k={k}: speculative engine up in {up_s:.0f}s")
-        generate(spec, [job["suites"][0]["prompts"][0]], warm)
+        warm_up(spec)
         for suite in job["suites"]:
             res = results.setdefault(suite["name"], {}).setdefault(str(k), {"variants": {}, "throughput": {}})
             matches = 0
             for variant in dict.fromkeys(suite["variants"]):
                 idx = [i for i, v in enumerate(suite["variants"]) if v == variant]
                 before = _counters(spec)
-                outs, seconds = generate(spec, [suite["prompts"][i] for i in idx])
+                outs, seconds = generate(spec, [suite["prompts"][i] for i in idx], suite["stop_ids"])
                 tokens = sum(len(o) for o in outs)
                 res["variants"][variant] = {**_delta(_counters(spec), before), "seconds": seconds, "tokens": tokens}
                 matches += sum(out == reference[suite["name"]][i] for out, i in zip(outs, idx, strict=True))
@@ -124,7 +131,8 @@ def run(job: dict) -> dict:
             accepted = sum(v["accepted"] for v in res["variants"].values())
             line = f"k={k} {suite['name']}: AL {1 + accepted / max(1, drafts):.3f}"
             for c in job["concurrency"] if suite["name"] in job["throughput_suites"] else []:
-                t = res["throughput"][str(c)] = _throughput(base, spec, suite["prompts"], c, generate)
+                run = functools.partial(generate, stop_ids=suite["stop_ids"])
+                t = res["throughput"][str(c)] = _throughput(base, spec, suite["prompts"], c, run)
                 line += f", c{c} speedup {t['baseline_s'] / t['spec_s'] * t['spec_tokens'] / t['baseline_tokens']:.2f}x"
             say(line)
         del spec
