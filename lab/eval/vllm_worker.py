@@ -131,8 +131,8 @@ def run(job: dict) -> dict:
             accepted = sum(v["accepted"] for v in res["variants"].values())
             line = f"k={k} {suite['name']}: AL {1 + accepted / max(1, drafts):.3f}"
             for c in job["concurrency"] if suite["name"] in job["throughput_suites"] else []:
-                run = functools.partial(generate, stop_ids=suite["stop_ids"])
-                t = res["throughput"][str(c)] = _throughput(base, spec, suite["prompts"], c, run)
+                decode = functools.partial(generate, stop_ids=suite["stop_ids"])
+                t = res["throughput"][str(c)] = _throughput(base, spec, suite["prompts"], c, decode)
                 line += f", c{c} speedup {t['baseline_s'] / t['spec_s'] * t['spec_tokens'] / t['baseline_tokens']:.2f}x"
             say(line)
         del spec
