@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lab.config import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
+from lab.eval.probes import unrolled_rounds
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
 from lab.eval.run import evaluate_suite
 from lab.target import capture
@@ -135,28 +135,6 @@ def test_trained_drafter_beats_untrained(micro_cfg, micro_target, trained_eagle3
     assert len(good["eval/in_dist/ref/k3/accept_rate"]) == 3
 
 
-def _rounds_from_unroll(model, drafter, prompt: list[int], output: list[int], k: int) -> list[int]:
-    """Accepted drafts per round of a greedy chain decode that produced `output`, foretold by the drafter's
-    teacher-forced unroll over prompt + output: step i at position t predicts token t + i + 2, and a round
-    that commits up to position p drafts what the unroll predicts at p - 1 (its inputs are the target's
-    tokens as long as the drafts before were accepted, and a rejected draft ends the round)."""
-    ids = torch.tensor([prompt + output])
-    with torch.no_grad():
-        cap = capture(model, ids, drafter.spec.aux_layer_ids)
-        outs = drafter.unroll(F.pad(ids[:, 1:], (0, 1)), cap.aux.float(), k)
-        preds = [drafter.to_target_ids(drafter.logits(h).argmax(-1))[0].tolist() for h in outs]
-    seq, pending, rounds = ids[0].tolist(), len(prompt), []
-    while pending < len(seq) - 1:
-        accepted = 0
-        while accepted < k and pending + 1 + accepted < len(seq):
-            if preds[accepted][pending - 1] != seq[pending + 1 + accepted]:
-                break
-            accepted += 1
-        rounds.append(accepted)
-        pending += accepted + 1
-    return rounds
-
-
 @pytest.mark.parametrize("drafter_fixture", ["trained_eagle3", "trained_eagle31"])
 def test_every_round_drafts_what_the_training_unroll_predicts(micro_target, prompts, drafter_fixture, request):
     """Decoding and training see the drafter alike: the decoder's acceptance, round by round, is what the
@@ -168,7 +146,8 @@ def test_every_round_drafts_what_the_training_unroll_predicts(micro_target, prom
         output = target_decode(model, prompt, 40)[0]  # beyond 32: the last round may draft past the cut
         tokens, stats = speculative_decode(model, drafter, prompt, 32, k)
         assert tokens == output[:32]
-        foretold = _rounds_from_unroll(model, drafter, prompt, output, k)
+        ids = torch.tensor([prompt + output])
+        foretold = unrolled_rounds(drafter, ids, capture(model, ids, drafter.spec.aux_layer_ids).aux, len(prompt), k)
         produced, rounds = 1, 0  # the first token is the prefill's; a round adds its accepted drafts + 1
         while produced < 32:
             produced += foretold[rounds] + 1

@@ -130,3 +130,27 @@ def rollout_counts(
         hits.append((agree * weight).sum(1))  # whole numbers: their sums are exact in float32
         weights.append(weight.sum(1))
     return torch.stack(hits), torch.stack(weights)
+
+
+@torch.no_grad()
+def unrolled_rounds(
+    drafter: Eagle3Drafter, input_ids: torch.Tensor, aux: torch.Tensor, prompt_len: int, k: int
+) -> list[int]:
+    """Accepted drafts per round of a greedy chain decode at depth k that produced input_ids[0, prompt_len:],
+    foretold by the drafter's teacher-forced TTT unroll (the training forward) over input_ids [1, T] with
+    the target's states aux [1, T, A*H]. Step i at position t predicts token t + i + 2, and the round whose
+    next token is at position p drafts what the unroll predicts at p - 1: its inputs are the target's
+    tokens for as long as the drafts before were accepted, and a rejected draft ends the round. The last
+    round stops at the end of input_ids."""
+    outs = drafter.unroll(F.pad(input_ids[:, 1:], (0, 1)), aux.float(), k)
+    preds = [drafter.to_target_ids(drafter.logits(h).argmax(-1))[0].tolist() for h in outs]
+    seq, pending, rounds = input_ids[0].tolist(), prompt_len, []
+    while pending < len(seq) - 1:
+        accepted = 0
+        while accepted < k and pending + 1 + accepted < len(seq):
+            if preds[accepted][pending - 1] != seq[pending + 1 + accepted]:
+                break
+            accepted += 1
+        rounds.append(accepted)
+        pending += accepted + 1
+    return rounds
