@@ -80,7 +80,7 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     assert al == pytest.approx(metrics["eval/in_dist/ref/k3/al"], rel=1e-12)
     sequences = mlflow.artifacts.load_dict(f"runs:/{run_id}/per_prompt/rollout.json")
     accs = [m.value for m in sorted(rollout, key=lambda m: m.step)]
-    pooled = [paired.pooled(paired.rollout_counts(sequences, d), paired.accuracy) for d in range(1, len(accs) + 1)]
+    pooled = [paired.pooled(paired.rollout_counts(sequences, d), paired.share) for d in range(1, len(accs) + 1)]
     assert pooled == pytest.approx(accs, rel=1e-6)
     ckpt = {a.path for a in client.list_artifacts(run_id, "checkpoint")}
     assert {"checkpoint/config.json", "checkpoint/model.safetensors"} <= ckpt

@@ -262,7 +262,7 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
     rollout = held.per_prompt
     assert rollout["metric"] == "eval/in_dist/rollout/acc" and len(rollout["sequences"]) == 5
     accs = held.metrics["eval/in_dist/rollout/acc"]
-    assert [paired.pooled(paired.rollout_counts(rollout, d), paired.accuracy) for d in range(1, 7)] == pytest.approx(
+    assert [paired.pooled(paired.rollout_counts(rollout, d), paired.share) for d in range(1, 7)] == pytest.approx(
         accs, rel=1e-6
     )
     assert accs == heldout_metrics_of(target, drafter, Sequences(ids, mask))

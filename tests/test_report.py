@@ -295,6 +295,38 @@ def test_paired_ratio_pairs_only_shared_seeds_and_prompts():
     assert paired.paired_ratio({"9": arm["0"]}, base, paired.acceptance_length) is None  # no seed in common
 
 
+def test_mean_interval_of_one_arm_covers_its_mean():
+    """An arm's mean over seeds of the pooled AL with its bootstrap interval: the mean is the tables' number,
+    the interval covers it, narrows with more prompts, and is the same on a rerun."""
+    arm = _planted(3, 60, noise=0.15, seed=3)
+    est = paired.mean_interval(arm, paired.acceptance_length)
+    assert est.mean == pytest.approx(np.mean([paired.pooled(arm[s], paired.acceptance_length) for s in arm]))
+    assert est.low < est.mean < est.high and (est.prompts, est.seeds) == (60, 3)
+    assert paired.mean_interval(arm, paired.acceptance_length) == est  # seeded
+    few = paired.mean_interval(_planted(3, 8, noise=0.15, seed=3), paired.acceptance_length)
+    assert few.high - few.low > est.high - est.low
+    assert paired.mean_interval({"0": {}}, paired.acceptance_length) is None
+
+
+def test_figure_bands_are_bootstrap_intervals_from_the_records(store, tmp_path):
+    """The norm-growth figure draws each arm's mean over seeds from its per-prompt records (the logged curve,
+    as planted) with the bootstrap interval of that mean as its band."""
+    from lab.report import figures
+
+    overrides, parent = store
+    uri = overrides[0].split("=", 1)[1]
+    study = report.load(uri, parent, "drift_2x2", "", [(a, a) for a in ARMS], "eagle3", [0, 1])
+    fig, caption = figures.norm_growth(study)
+    assert "95 % bootstrap interval of the mean over seeds" in caption
+    ax = fig.axes[0]  # in_dist
+    eagle3 = next(line for line in ax.lines if line.get_label().startswith("eagle3 "))
+    planted = [1.0 + 0.02 * i * (1 - ARMS["eagle3"]) for i in range(8)]
+    assert eagle3.get_ydata() == pytest.approx(planted)
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # the first arm's band: low and high per step
+    assert band.min() < min(planted[1:]) and band.max() > max(planted)
+    assert band.max() - band.min() < 0.3  # the prompts' wobble, not a std over two seeds of equal curves
+
+
 def _log_planted(uri: str, art: str, parent: str, arm: str, seed: int, scale: float, records: bool) -> float:
     """A finished run of study `paired` on suite in_dist at k=3 whose AL is the pooled per-prompt AL
     (60 prompts: the baseline's difficulty per prompt, times `scale`, plus noise of the arm's own that

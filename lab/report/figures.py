@@ -1,6 +1,8 @@
 """Paper-style figures of a study, as PNG (300 dpi) and PDF at print width, in one colour-blind-safe
 style (Okabe-Ito colours, and a marker and line style per arm so they also read in grey). Every curve is
-the mean over seeds with a band of +- one standard deviation where there is more than one seed.
+the mean over seeds. Its band is the 95 % bootstrap interval of that mean (seeds, then prompts:
+lab/report/paired.py) where the arm's runs recorded per-prompt counts for the curve, and +- one standard
+deviation over seeds otherwise (runs logged before the records existed).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from lab import metrics as keys  # noqa: E402
+from lab.report import paired  # noqa: E402
 from lab.report.study import Arm, Study  # noqa: E402
 
 # Okabe & Ito (2008): distinguishable with every common colour-vision deficiency
@@ -70,6 +73,37 @@ def _band(ax, x: list[float], curves: list[list[float]], i: int, label: str) -> 
     if len(curves) > 1:
         std = data.std(axis=0, ddof=1)
         ax.fill_between(x[:n], mean - std, mean + std, color=look["color"], alpha=0.15, linewidth=0)
+
+
+# a curve's per-prompt counts at one step (1-based) of a `per_prompt/{suite}.json` document
+StepCounts = Callable[[dict, int], paired.Counts]
+
+
+def _curve(
+    ax, study: Study, arm: Arm, suite: str, k: int, counts: StepCounts, metric: paired.Metric, key: str, i: int
+) -> None:
+    """One arm's curve over steps 1..k: the mean over seeds with its 95 % bootstrap interval from the runs'
+    per-prompt records when every run of the arm has them, else the logged curves (`key`) with +- std."""
+    docs = study.records(arm, suite)
+    estimates = []
+    if docs and len(docs) == len(arm.runs):
+        for step in range(1, k + 1):
+            estimates.append(paired.mean_interval({seed: counts(doc, step) for seed, doc in docs.items()}, metric))
+    if not estimates or any(e is None for e in estimates):
+        _band(ax, list(range(1, k + 1)), study.curves(arm, key), i, arm.label)
+        return
+    look = _look(i)
+    x = list(range(1, k + 1))
+    ax.plot(x, [e.mean for e in estimates], label=f"{arm.label} (n={len(docs)})", **look)
+    low, high = [e.low for e in estimates], [e.high for e in estimates]
+    ax.fill_between(x, low, high, color=look["color"], alpha=0.15, linewidth=0)
+
+
+def _interval_note() -> str:
+    return (
+        "Bands: 95 % bootstrap interval of the mean over seeds (seeds, then prompts; "
+        f"{paired.RESAMPLES} resamples) where the runs recorded per-prompt counts, else +- one std over seeds."
+    )
 
 
 def _bars(ax, groups: list[str], study: Study, value: Callable[[Arm, str], list[float]]) -> None:
@@ -138,26 +172,37 @@ def al_vs_depth(study: Study) -> tuple[plt.Figure, str]:
 
 def accept_rate(study: Study) -> tuple[plt.Figure, str]:
     k, b = study.ks[-1], study.backend
+
+    def at(doc: dict, position: int) -> paired.Counts:
+        return paired.position_counts(doc, k, position)
+
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            _band(ax, list(range(1, k + 1)), study.curves(arm, keys.accept_rate(s, k, b)), i, arm.label)
+            if b == "ref":  # the per-prompt records are the reference decoder's
+                _curve(ax, study, arm, s, k, at, paired.share, keys.accept_rate(s, k, b), i)
+            else:
+                _band(ax, list(range(1, k + 1)), study.curves(arm, keys.accept_rate(s, k, b)), i, arm.label)
         ax.set_title(s)
         ax.set_xlabel("draft position")
         ax.set_ylim(bottom=0)
     axes[0][0].set_ylabel("acceptance rate")
     _legend(fig, axes)
-    return fig, f"Per-position acceptance at k={k}: drafts accepted at position i / drafts."
+    return fig, f"Per-position acceptance at k={k}: drafts accepted at position i / rounds. {_interval_note()}"
 
 
 def sink_self_mass(study: Study) -> tuple[plt.Figure, str]:
     k = study.ks[-1]
     fig, axes = _panels(len(study.suites), rows=2)
     for col, s in enumerate(study.suites):
-        for row, (curve, name) in enumerate([("sink_mass", "sink mass"), ("self_mass", "self mass")]):
+        for row, (curve, name) in enumerate([("sink", "sink mass"), ("self", "self mass")]):
             ax = axes[row][col]
             for i, arm in enumerate(study.arms):
-                _band(ax, list(range(1, k + 1)), study.curves(arm, keys.drift(s, k, curve)), i, arm.label)
+
+                def counts(doc: dict, step: int, curve: str = curve) -> paired.Counts:
+                    return paired.drift_counts(doc, k, step, curve)
+
+                _curve(ax, study, arm, s, k, counts, paired.share, keys.drift(s, k, f"{curve}_mass"), i)
             ax.set_title(s if row == 0 else "")
             ax.set_xlabel("drafting step" if row == 1 else "")
             if col == 0:
@@ -165,23 +210,28 @@ def sink_self_mass(study: Study) -> tuple[plt.Figure, str]:
     _legend(fig, axes)
     caption = (
         f"Attention drift (k={k}): the drafter's attention mass on the prompt's sink token (top) and on its "
-        "own drafted tokens (bottom) at each drafting step."
+        f"own drafted tokens (bottom) at each drafting step. {_interval_note()}"
     )
     return fig, caption
 
 
 def norm_growth(study: Study) -> tuple[plt.Figure, str]:
     k = study.ks[-1]
+
+    def at(doc: dict, step: int) -> paired.Counts:
+        return paired.norm_growth_counts(doc, k, step)
+
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            _band(ax, list(range(1, k + 1)), study.curves(arm, keys.drift(s, k, "norm_growth")), i, arm.label)
+            _curve(ax, study, arm, s, k, at, paired.norm_growth, keys.drift(s, k, "norm_growth"), i)
         ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
         ax.set_title(s)
         ax.set_xlabel("drafting step")
     axes[0][0].set_ylabel("norm growth")
     _legend(fig, axes)
-    return fig, f"Norm of the fed-back state at each drafting step relative to step 1 (k={k})."
+    caption = f"Norm of the fed-back state at each drafting step relative to step 1 (k={k}). {_interval_note()}"
+    return fig, caption
 
 
 def _length(variant: str) -> int:

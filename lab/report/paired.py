@@ -54,8 +54,9 @@ def acceptance_length(sums: np.ndarray) -> np.ndarray:
     return 1.0 + sums[..., 0] / np.maximum(sums[..., 1], 1)
 
 
-def accuracy(sums: np.ndarray) -> np.ndarray:
-    """Rollout accuracy from summed (hits, counted), as lab/eval/probes.py pools it."""
+def share(sums: np.ndarray) -> np.ndarray:
+    """A share from summed (part, whole), as the runs pool it: rollout accuracy (hits, counted), acceptance
+    at a draft position (accepted there, rounds), attention mass at a drafting step (mass, count)."""
     return sums[..., 0] / np.maximum(sums[..., 1], 1.0)
 
 
@@ -94,6 +95,27 @@ def norm_growth_counts(doc: Mapping, k: int, step: int) -> Counts:
     return out
 
 
+def drift_counts(doc: Mapping, k: int, step: int, curve: str) -> Counts:
+    """(summed `curve` mass at `step`, its count) per prompt at depth k (probes only); `curve` is `sink` or
+    `self`, as `DriftProbes.sums` records them."""
+    out = {}
+    for p in doc.get("prompts", []):
+        drift = p.get("k", {}).get(str(k), {}).get("drift")
+        if drift is not None and len(drift["count"]) >= step:
+            out[_key(p)] = np.array([drift[curve][step - 1], drift["count"][step - 1]], dtype=float)
+    return out
+
+
+def position_counts(doc: Mapping, k: int, position: int) -> Counts:
+    """(drafts accepted at draft `position`, rounds) per prompt at depth k: the per-position acceptance."""
+    out = {}
+    for p in doc.get("prompts", []):
+        r = p.get("k", {}).get(str(k))
+        if r is not None and len(r.get("accepted_at", [])) >= position:
+            out[_key(p)] = np.array([r["accepted_at"][position - 1], r["rounds"]], dtype=float)
+    return out
+
+
 def rollout_counts(doc: Mapping, depth: int) -> Counts:
     """(hits, counted) per held-out sequence at unrolled `depth`, from `per_prompt/rollout.json`."""
     out = {}
@@ -106,6 +128,30 @@ def rollout_counts(doc: Mapping, depth: int) -> Counts:
 def pooled(counts: Counts, metric: Metric) -> float:
     """The metric over all prompts: what the run logged."""
     return float(metric(np.sum(list(counts.values()), axis=0)))
+
+
+def _replicates(groups: list[tuple[np.ndarray, ...]], metric: Metric, resamples: int, seed: int) -> list[np.ndarray]:
+    """Bootstrap replicates of the sum over seeds of the pooled metric: `groups` holds, per seed, the
+    [prompts, C] counts of each member (arms), prompts aligned; one replicate resamples the seeds, then the
+    prompts within each, with the same draws for every member. One [resamples] array per member."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    n_seeds, members = len(groups), len(groups[0])
+    chosen = rng.integers(0, n_seeds, size=(resamples, n_seeds))  # the resampled seeds of each replicate
+    sums = [np.zeros(resamples) for _ in range(members)]
+    for slot in range(n_seeds):
+        for s, counts in enumerate(groups):
+            rows = np.flatnonzero(chosen[:, slot] == s)
+            if rows.size:
+                drawn = rng.integers(0, len(counts[0]), size=(rows.size, len(counts[0])))  # the same prompts for all
+                for m, c in enumerate(counts):
+                    sums[m][rows] += metric(c[drawn].sum(1))
+    return sums
+
+
+def _quantiles(replicates: np.ndarray, level: float) -> tuple[float, float]:
+    tail = (1 - level) / 2
+    low, high = np.quantile(replicates, [tail, 1 - tail])
+    return float(low), float(high)
 
 
 def paired_ratio(
@@ -130,24 +176,40 @@ def paired_ratio(
     base_mean = np.mean([metric(b.sum(0)) for _, b in pairs])
     if base_mean == 0:
         return None
-    rng = np.random.Generator(np.random.PCG64(seed))
-    n_seeds = len(pairs)
-    chosen = rng.integers(0, n_seeds, size=(resamples, n_seeds))  # the resampled seeds of each replicate
-    arm_sum, base_sum = np.zeros(resamples), np.zeros(resamples)
-    for slot in range(n_seeds):
-        for s, (a, b) in enumerate(pairs):
-            rows = np.flatnonzero(chosen[:, slot] == s)
-            if rows.size:
-                drawn = rng.integers(0, len(a), size=(rows.size, len(a)))  # the same prompts for both arms
-                arm_sum[rows] += metric(a[drawn].sum(1))
-                base_sum[rows] += metric(b[drawn].sum(1))
+    arm_sum, base_sum = _replicates(pairs, metric, resamples, seed)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = arm_sum / base_sum  # the means' common 1 / n_seeds cancels
-    tail = (1 - level) / 2
-    low, high = np.quantile(ratios, [tail, 1 - tail])
-    return Interval(
-        float(arm_mean / base_mean), float(low), float(high), min(len(a) for a, _ in pairs), n_seeds, resamples, level
-    )
+    low, high = _quantiles(ratios, level)
+    return Interval(float(arm_mean / base_mean), low, high, min(len(a) for a, _ in pairs), len(pairs), resamples, level)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An arm's mean over seeds of a pooled metric, with its bootstrap interval (seeds, then prompts)."""
+
+    mean: float
+    low: float
+    high: float
+    prompts: int  # prompts per seed (the fewest)
+    seeds: int
+
+
+def mean_interval(
+    runs: Mapping[str, Counts],
+    metric: Metric,
+    resamples: int = RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = LEVEL,
+) -> Estimate | None:
+    """The mean over seeds of the pooled metric of one arm (`runs` maps a seed to its counts per prompt),
+    with the bootstrap interval of that mean. None when no seed recorded a prompt."""
+    groups = [(np.stack([c[k] for k in sorted(c)]),) for _, c in sorted(runs.items()) if c]
+    if not groups:
+        return None
+    (sums,) = _replicates(groups, metric, resamples, seed)
+    low, high = _quantiles(sums / len(groups), level)
+    mean = float(np.mean([metric(g[0].sum(0)) for g in groups]))
+    return Estimate(mean, low, high, min(len(g[0]) for g in groups), len(groups))
 
 
 def method(baseline: str, unit: str = "prompts") -> str:

@@ -421,7 +421,7 @@ def rollout_table(study: Study) -> Table | None:
     table = Table("rollout", "", columns, rows, unit="held-out sequences")
 
     def source(row: Row, j: int) -> Source:
-        return "rollout", lambda doc: paired.rollout_counts(doc, depths[j]), paired.accuracy
+        return "rollout", lambda doc: paired.rollout_counts(doc, depths[j]), paired.share
 
     _pair(study, table, source, "per-sequence records")
     table.title = (
