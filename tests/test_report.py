@@ -37,21 +37,36 @@ def _zero_sum(rng: random.Random, n: int, scale: float) -> list[float]:
     return [v - sum(x) / n for v in x]
 
 
-def _suite_records(al: dict[int, float], growth: dict[int, list[float]], seed: int, noise: random.Random) -> dict:
-    """A per_prompt/{suite}.json document whose prompts pool to AL `al[k]` and norm growth curve `growth[k]`:
-    each prompt drafts ROUNDS rounds; its AL is the planted one plus the prompt's difficulty (shared by every
-    arm of the seed) plus the arm's own noise, both summing to 0 over the prompts."""
+def _summed(curve: list[float], wobble: float, first_exact: bool = False) -> list[float]:
+    """A prompt's per-step sums over ROUNDS rounds of a curve, off by its `wobble` (step 1 exact if asked)."""
+    return [ROUNDS * (v + (0.0 if first_exact and j == 0 else wobble)) for j, v in enumerate(curve)]
+
+
+def _suite_records(metrics: dict, suite: str, seed: int, noise: random.Random) -> dict:
+    """A per_prompt/{suite}.json document whose prompts pool back to the run's logged metrics of `suite`: AL,
+    acceptance per position, sink and self mass, norm growth at each k. Each prompt drafts ROUNDS rounds;
+    its AL is the planted one plus the prompt's difficulty (shared by every arm of the seed) plus the arm's
+    own noise, both summing to 0 over the prompts; the curves get noise of their own that sums to 0."""
     shared = _zero_sum(random.Random(seed), PROMPTS, 0.3)
     prompts = [{"index": i, "id": f"p{i:03d}", "variant": "", "k": {}} for i in range(PROMPTS)]
-    for k, mean in al.items():
+    for k in KS:
+        mean = metrics[f"eval/{suite}/ref/k{k}/al"]
         own = _zero_sum(noise, PROMPTS, 0.05)
         wobble = _zero_sum(noise, PROMPTS, 0.01)
         for i, p in enumerate(prompts):
-            accepted = (mean - 1 + shared[i] + own[i]) * ROUNDS
-            fb = [ROUNDS * (g + (wobble[i] if j else 0.0)) for j, g in enumerate(growth[k])]
-            drift = {"sink": [0.0] * k, "self": [0.0] * k, "feedback_rms": fb, "count": [ROUNDS] * k}
-            p["k"][str(k)] = {"rounds": ROUNDS, "accepted": accepted, "accepted_at": [0] * k, "drift": drift}
-    return {"format": 1, "suite": "", "seed": seed, "ks": sorted(al), "prompts": prompts}
+            drift = {
+                "sink": _summed(metrics[f"drift/{suite}/k{k}/sink_mass"], wobble[i]),
+                "self": _summed(metrics[f"drift/{suite}/k{k}/self_mass"], wobble[i]),
+                "feedback_rms": _summed(metrics[f"drift/{suite}/k{k}/norm_growth"], wobble[i], first_exact=True),
+                "count": [ROUNDS] * k,
+            }
+            p["k"][str(k)] = {
+                "rounds": ROUNDS,
+                "accepted": (mean - 1 + shared[i] + own[i]) * ROUNDS,
+                "accepted_at": _summed(metrics[f"eval/{suite}/ref/k{k}/accept_rate"], wobble[i]),
+                "drift": drift,
+            }
+    return {"format": 1, "suite": suite, "seed": seed, "ks": KS, "prompts": prompts}
 
 
 def _rollout_records(acc: list[float], seed: int, noise: random.Random) -> dict:
@@ -93,9 +108,7 @@ def _log_run(uri: str, art: str, parent: str, arm: str, seed: int, fail: str = "
             run.log_params(params)
             run.log_curves(metrics)
             for s in SUITES:
-                al = {k: metrics[f"eval/{s}/ref/k{k}/al"] for k in KS}
-                growth = {k: metrics[f"drift/{s}/k{k}/norm_growth"] for k in KS}
-                run.log_dict(_suite_records(al, growth, seed, noise), f"per_prompt/{s}.json")
+                run.log_dict(_suite_records(metrics, s, seed, noise), f"per_prompt/{s}.json")
             run.log_dict(_rollout_records(metrics["eval/in_dist/rollout/acc"], seed, noise), "per_prompt/rollout.json")
             if fail == "PRUNED":
                 raise track.RunStopped("pruned by Optuna at step 10")
