@@ -84,16 +84,17 @@ def _curve(
 ) -> None:
     """One arm's curve over steps 1..k: the mean over seeds with its 95 % bootstrap interval from the runs'
     per-prompt records when every run of the arm has them, else the logged curves (`key`) with +- std."""
+    x = list(range(1, k + 1))
     docs = study.records(arm, suite)
     estimates = []
     if docs and len(docs) == len(arm.runs):
-        for step in range(1, k + 1):
-            estimates.append(paired.mean_interval({seed: counts(doc, step) for seed, doc in docs.items()}, metric))
+        estimates = [
+            paired.mean_interval({seed: counts(doc, step) for seed, doc in docs.items()}, metric) for step in x
+        ]
     if not estimates or any(e is None for e in estimates):
-        _band(ax, list(range(1, k + 1)), study.curves(arm, key), i, arm.label)
+        _band(ax, x, study.curves(arm, key), i, arm.label)
         return
     look = _look(i)
-    x = list(range(1, k + 1))
     ax.plot(x, [e.mean for e in estimates], label=f"{arm.label} (n={len(docs)})", **look)
     low, high = [e.low for e in estimates], [e.high for e in estimates]
     ax.fill_between(x, low, high, color=look["color"], alpha=0.15, linewidth=0)
@@ -178,11 +179,12 @@ def accept_rate(study: Study) -> tuple[plt.Figure, str]:
 
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
+        key = keys.accept_rate(s, k, b)
         for i, arm in enumerate(study.arms):
             if b == "ref":  # the per-prompt records are the reference decoder's
-                _curve(ax, study, arm, s, k, at, paired.share, keys.accept_rate(s, k, b), i)
+                _curve(ax, study, arm, s, k, at, paired.share, key, i)
             else:
-                _band(ax, list(range(1, k + 1)), study.curves(arm, keys.accept_rate(s, k, b)), i, arm.label)
+                _band(ax, list(range(1, k + 1)), study.curves(arm, key), i, arm.label)
         ax.set_title(s)
         ax.set_xlabel("draft position")
         ax.set_ylim(bottom=0)
@@ -197,12 +199,12 @@ def sink_self_mass(study: Study) -> tuple[plt.Figure, str]:
     for col, s in enumerate(study.suites):
         for row, (curve, name) in enumerate([("sink", "sink mass"), ("self", "self mass")]):
             ax = axes[row][col]
+
+            def at(doc: dict, step: int, curve: str = curve) -> paired.Counts:
+                return paired.drift_counts(doc, k, step, curve)
+
             for i, arm in enumerate(study.arms):
-
-                def counts(doc: dict, step: int, curve: str = curve) -> paired.Counts:
-                    return paired.drift_counts(doc, k, step, curve)
-
-                _curve(ax, study, arm, s, k, counts, paired.share, keys.drift(s, k, f"{curve}_mass"), i)
+                _curve(ax, study, arm, s, k, at, paired.share, keys.drift(s, k, f"{curve}_mass"), i)
             ax.set_title(s if row == 0 else "")
             ax.set_xlabel("drafting step" if row == 1 else "")
             if col == 0:

@@ -15,7 +15,7 @@ else the report computes. Pure numpy: nothing here reads MLflow.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,46 +74,48 @@ def _key(record: Mapping) -> str:
     return f"{record['index']}:{record['id']}" if record.get("id") else str(record["index"])
 
 
-def al_counts(doc: Mapping, k: int) -> Counts:
-    """(accepted, rounds) per prompt at drafting depth k, from a `per_prompt/{suite}.json` document."""
-    out = {}
+def _at_depth(doc: Mapping, k: int) -> Iterator[tuple[str, Mapping]]:
+    """(key, record at depth k) of each prompt of a `per_prompt/{suite}.json` document that ran at k."""
     for p in doc.get("prompts", []):
         r = p.get("k", {}).get(str(k))
         if r is not None:
-            out[_key(p)] = np.array([r["accepted"], r["rounds"]], dtype=float)
-    return out
+            yield _key(p), r
+
+
+def _drift_at(doc: Mapping, k: int, step: int) -> Iterator[tuple[str, Mapping]]:
+    """(key, drift probe sums at depth k) of each prompt whose probes reached `step`."""
+    for key, r in _at_depth(doc, k):
+        drift = r.get("drift")
+        if drift is not None and len(drift["count"]) >= step:
+            yield key, drift
+
+
+def al_counts(doc: Mapping, k: int) -> Counts:
+    """(accepted, rounds) per prompt at drafting depth k, from a `per_prompt/{suite}.json` document."""
+    return {key: np.array([r["accepted"], r["rounds"]], dtype=float) for key, r in _at_depth(doc, k)}
 
 
 def norm_growth_counts(doc: Mapping, k: int, step: int) -> Counts:
     """(feedback RMS sum at `step`, its count, at step 1, its count) per prompt at depth k (probes only)."""
-    out = {}
-    for p in doc.get("prompts", []):
-        drift = p.get("k", {}).get(str(k), {}).get("drift")
-        if drift is not None and len(drift["count"]) >= step:
-            fb, n = drift["feedback_rms"], drift["count"]
-            out[_key(p)] = np.array([fb[step - 1], n[step - 1], fb[0], n[0]], dtype=float)
-    return out
+    return {
+        key: np.array([d["feedback_rms"][step - 1], d["count"][step - 1], d["feedback_rms"][0], d["count"][0]], float)
+        for key, d in _drift_at(doc, k, step)
+    }
 
 
 def drift_counts(doc: Mapping, k: int, step: int, curve: str) -> Counts:
     """(summed `curve` mass at `step`, its count) per prompt at depth k (probes only); `curve` is `sink` or
     `self`, as `DriftProbes.sums` records them."""
-    out = {}
-    for p in doc.get("prompts", []):
-        drift = p.get("k", {}).get(str(k), {}).get("drift")
-        if drift is not None and len(drift["count"]) >= step:
-            out[_key(p)] = np.array([drift[curve][step - 1], drift["count"][step - 1]], dtype=float)
-    return out
+    return {key: np.array([d[curve][step - 1], d["count"][step - 1]], float) for key, d in _drift_at(doc, k, step)}
 
 
 def position_counts(doc: Mapping, k: int, position: int) -> Counts:
     """(drafts accepted at draft `position`, rounds) per prompt at depth k: the per-position acceptance."""
-    out = {}
-    for p in doc.get("prompts", []):
-        r = p.get("k", {}).get(str(k))
-        if r is not None and len(r.get("accepted_at", [])) >= position:
-            out[_key(p)] = np.array([r["accepted_at"][position - 1], r["rounds"]], dtype=float)
-    return out
+    return {
+        key: np.array([r["accepted_at"][position - 1], r["rounds"]], dtype=float)
+        for key, r in _at_depth(doc, k)
+        if len(r.get("accepted_at", [])) >= position
+    }
 
 
 def rollout_counts(doc: Mapping, depth: int) -> Counts:
