@@ -95,18 +95,21 @@ def test_loss_mask_ignores_predictions_of_prompt_tokens(micro_cfg, micro_target,
     assert abs(loss(noisy) - base) > 1e-3
 
 
-def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_hidden, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_hidden, tmp_path, dtype):
     """Interrupted after step 8 (last checkpoint at step 6, mid log window), resumed: the same weights
-    and the same logged metrics as an uninterrupted run, across an epoch's reshuffle (4 steps each)."""
+    and the same logged metrics as an uninterrupted run, across an epoch's reshuffle (4 steps each).
+    A float16 target trains with a scaled loss: the scale it backed off to resumes with it."""
     h = micro_hidden
-    data = HiddenStates(h.input_ids[:64], h.loss_mask[:64], h.aux[:64], h.final[:64], h.path)
+    data = HiddenStates(h.input_ids[:64], h.loss_mask[:64], h.aux[:64].to(dtype), h.final[:64].to(dtype), h.path)
+    lm_head = micro_target.lm_head_weight.to(dtype)
     cfg = micro_cfg.train.copy()
     cfg.steps, cfg.batch_size, cfg.log_every, cfg.warmup_steps = 10, 16, 4, 2
     layers = aux_layers(micro_cfg)
 
     def run(log, **kw):
         d = init_drafter(micro_target, micro_cfg.drafter, layers, seed=3)
-        train(d, data, micro_target.lm_head_weight, cfg, seed=3, log=log, progress=False, **kw)
+        train(d, data, lm_head, cfg, seed=3, log=log, progress=False, **kw)
         return d
 
     def without_speed(logged):
@@ -124,7 +127,11 @@ def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_
         run(interrupt_at_8, checkpoint=ckpt)
     state = resume.load(ckpt.path, cfg.steps)
     assert state is not None and state.step == 6 and state.run_id == "first" and len(state.window) == 2
-    assert state.optimizer[0]["step"].item() == 6.0  # AdamW's step count, a tensor
+    if dtype == torch.float16:  # steps that overflowed were skipped and the loss scale backed off from its start
+        assert 0 < state.scaler["scale"] < torch.amp.GradScaler("cpu").get_scale()
+        assert 0 < state.optimizer[0]["step"].item() < 6.0
+    else:
+        assert state.scaler == {} and state.optimizer[0]["step"].item() == 6.0  # AdamW's step count, a tensor
 
     resumed: list = []
     got = run(lambda m, s: resumed.append((m, s)), checkpoint=Checkpointing(ckpt.path, 3, "second"), resume=state)

@@ -2,7 +2,7 @@
 
 Layout: `{cache_dir}/checkpoints/{key}/` with `model.safetensors` (the drafter's state),
 `optimizer.safetensors` (AdamW's per-parameter state), `data.safetensors` (the data-order permutation
-and the generator state), `state.json` (step, cursor, the metrics window and history) and
+and the generator state), `state.json` (step, cursor, the metrics window and history, float16's loss scale) and
 `manifest.json` (each file's sha256, `step`, `steps`, the MLflow run that wrote it). Safetensors and
 JSON only, no pickle. The key hashes everything that determines the trained weights, so a checkpoint
 is only ever resumed by the same training. A checkpoint with `step < steps` is partial: it resumes
@@ -79,6 +79,7 @@ class TrainState:
     window: list[dict] = field(default_factory=list)  # per-step stats since the last log
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # every (step, metrics) logged
     run_id: str | None = None
+    scaler: dict = field(default_factory=dict)  # float16's GradScaler (its loss scale); empty otherwise
 
 
 def save(path: Path, state: TrainState) -> None:
@@ -93,6 +94,7 @@ def save(path: Path, state: TrainState) -> None:
             "log_every": state.log_every,
             "window": state.window,
             "history": state.history,
+            "scaler": state.scaler,
         }
         (tmp / "state.json").write_text(json.dumps(info))
         manifest = {
@@ -146,6 +148,7 @@ def load(path: Path, steps: int) -> TrainState | None:
             window=info["window"],
             history=[(int(s), m) for s, m in info["history"]],
             run_id=manifest.get("run_id"),
+            scaler=info.get("scaler", {}),  # absent from checkpoints written before float16 resumed exactly
         )
     except (SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         return refuse(f"unreadable ({type(exc).__name__}: {exc})")

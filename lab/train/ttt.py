@@ -282,8 +282,7 @@ def train(
     opt = optimizer(params, tcfg)
     device = params[0].device
     precision = torch.bfloat16 if tcfg.autocast_bf16 else lm_head_weight.dtype
-    # disabled (every call passes through) unless float16; its scale is not in a resume checkpoint, so a
-    # float16 run resumes close to, not bit for bit at, where it would have been
+    # disabled (every call passes through) unless float16; its loss scale travels in the resume checkpoint
     scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(data), generator=gen)
@@ -297,6 +296,8 @@ def train(
         drafter.load_state_dict(resume.model, strict=True)
         # the fresh optimizer's groups (same config: the checkpoint key covers it); lr is set per step
         opt.load_state_dict({"state": resume.optimizer, "param_groups": opt.state_dict()["param_groups"]})
+        if resume.scaler:
+            scaler.load_state_dict(resume.scaler)
         if resume.log_every == tcfg.log_every:  # else its window would straddle other log steps
             window = list(resume.window)
         history = list(resume.history)
@@ -374,6 +375,7 @@ def train(
                     window=window,
                     history=history,
                     run_id=checkpoint.run_id,
+                    scaler=scaler.state_dict(),
                 )
                 save_state(checkpoint.path, state)
             if stopping:
