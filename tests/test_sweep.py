@@ -4,10 +4,12 @@ study without duplicates, and a clearly worse trial is pruned."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from lab.sweep import engine, experiment, queue, spec, storage
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.engine import launch
 from lab.sweep.spec import Sweep
+from lab.sweep.workers import WholeLines, helpers
 from lab.train.ttt import HOLD_ENV
 
 FAST = ["train.steps=6", "eval.num_prompts=2"]
@@ -301,6 +304,45 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
     runs = _children(extra, result.parent_run_id)
     assert sorted(int(r.data.tags["trial"]) for r in runs) == list(range(6))
     assert len({r.data.params["train.lr"] for r in runs}) == 6 and "Pareto front" in result.summary
+
+
+def test_lines_printed_from_two_threads_at_once_never_run_together():
+    """The launcher prints its worker's stage lines while its helpers' lines are forwarded from other threads:
+    a line that one thread writes in pieces still comes out whole, and a piece left without its newline
+    ends on a line of its own."""
+    out = io.StringIO()
+    lines = WholeLines(out)
+    started, forwarded = threading.Event(), threading.Event()
+
+    def worker_0() -> None:
+        print("[w0] trial 0 (eagle3, seed 0): train", end="", file=lines)  # `print` writes the newline apart
+        started.set()
+        forwarded.wait()
+        print(file=lines)
+        print("[w0] left without a newline", end="", file=lines)
+
+    def reader_1() -> None:
+        started.wait()
+        print("[w1] trial 1 (eagle31, seed 0): data", file=lines)
+        forwarded.set()
+
+    threads = [threading.Thread(target=worker_0), threading.Thread(target=reader_1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out.getvalue() == "[w1] trial 1 (eagle31, seed 0): data\n[w0] trial 0 (eagle3, seed 0): train\n"
+    lines.close_lines()
+    assert out.getvalue().splitlines()[-1] == "[w0] left without a newline"
+
+
+def test_helpers_send_the_launchers_stdout_through_whole_lines(capsys):
+    with helpers(["--help"], [], None, 1, print):
+        assert isinstance(sys.stdout, WholeLines)
+        print("[w0] a stage line")
+    printed = capsys.readouterr().out.splitlines()
+    assert "[w0] a stage line" in printed and any(line.startswith("[w1] usage: lab") for line in printed)
+    assert all(line.startswith(("[w0] ", "[w1] ")) for line in printed)
 
 
 @pytest.mark.slow

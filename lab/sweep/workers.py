@@ -4,12 +4,48 @@ its output forwarded line by line with its number; Ctrl-C reaches them, and none
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import TextIO
+
+
+class WholeLines(io.TextIOBase):
+    """The launcher's stdout while helpers run: each thread's text goes out in whole lines, one write each.
+    `print` writes a line and its newline apart, so a line forwarded from a helper could otherwise land
+    between them and run two workers' lines together."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+        self.lock = threading.Lock()
+        self.pending: dict[int, str] = {}  # per thread, text after its last newline
+
+    def write(self, text: str) -> int:
+        me = threading.get_ident()
+        with self.lock:
+            whole, newline, rest = (self.pending.pop(me, "") + text).rpartition("\n")
+            if newline:
+                self.out.write(whole + newline)
+                self.out.flush()
+            if rest:
+                self.pending[me] = rest
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            self.out.flush()
+
+    def close_lines(self) -> None:
+        """Ends what any thread left without a newline, each on a line of its own."""
+        with self.lock:
+            for rest in self.pending.values():
+                self.out.write(rest + "\n")
+            self.pending.clear()
+            self.out.flush()
 
 
 class _Reader(threading.Thread):
@@ -45,9 +81,11 @@ def helpers(
     """`count` worker subprocesses (numbered 1..count) for the duration of the block. An exception in the
     block (Ctrl-C) interrupts them: each re-enqueues its trial and exits. At the end each is waited for
     (a minute at most, then killed)."""
+    lines = WholeLines(sys.stdout)
     procs = [_spawn(worker_args, extra, threads, i, log) for i in range(1, count + 1)]
     try:
-        yield
+        with contextlib.redirect_stdout(lines) if count else contextlib.nullcontext():
+            yield
     except BaseException:
         for proc, _ in procs:
             if proc.poll() is None:
@@ -60,3 +98,4 @@ def helpers(
             if proc.poll() is None:
                 proc.kill()
             reader.join(timeout=5)
+        lines.close_lines()
