@@ -187,6 +187,28 @@ def test_later_turns_follow_the_targets_earlier_answers(micro_target, chat, tmp_
     assert prompts[1][0] == chat.prompt(list(result.conversations[0].messages[:4]))
 
 
+def test_the_progress_bar_counts_each_wave_once_it_is_generated(micro_target, chat):
+    """A wave's turns are generated together, so the bar advances by the whole wave at once: turn by turn,
+    its rate would be the first turn's (the wave's whole time) and its ETA a wave's time per turn."""
+
+    class Bar:
+        def __init__(self) -> None:
+            self.total, self.updates = 8, []
+
+        def update(self, n: int) -> None:
+            self.updates.append(n)
+
+        def refresh(self) -> None:
+            pass
+
+    answer = micro_target.tokenizer("pass")["input_ids"]
+    bar = Bar()
+    regen._regenerate_chunk(
+        lambda prompts, limits: [answer] * len(prompts), chat, micro_target.tokenizer, CONVERSATIONS, 4, SEQ_LEN, bar
+    )
+    assert bar.updates == [5, 2, 1] and bar.total == 8  # 5 conversations' first turns, then 2 second, 1 third
+
+
 def test_conversations_stop_where_the_sequence_would(micro_target, chat, tmp_path):
     long_user = conv("long", ("x = 1\n" * 400, "pass"), ("more", "pass"))
     first_prompt = len(chat.prompt(list(CONVERSATIONS[2].messages[:1])))

@@ -292,10 +292,10 @@ def _regenerate_chunk(
             text = tokenizer.decode(ids, skip_special_tokens=True).strip()
             s["messages"][s["turns"][wave]]["content"] = text
             s["generated_tokens"] += len(ids)
-            if bar is not None:
-                bar.update(1)
             if not text:
                 _cut(s, wave + 1, "empty", bar)
+        if bar is not None:  # once per wave, as its turns finish together: one at a time would rate the bar
+            bar.update(len(batch))  # by the first turn of the wave, which took the whole wave's time
         wave += 1
     return [
         {
