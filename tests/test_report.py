@@ -86,6 +86,9 @@ def _log_run(uri: str, art: str, parent: str, arm: str, seed: int, fail: str = "
     tags["target"] = "tiny_code-000000000000"
     params = {"eval.suites": json.dumps(SUITES), "eval.num_speculative_tokens": json.dumps(KS)}
     params |= {"eval.backends": json.dumps(["ref"]), "target.name": "tiny_code", "data.template": "chatml"}
+    # one run computed elsewhere: `dtype=auto` on a GPU
+    gpu = (arm, seed) == ("fc_norm", 1)
+    params |= {"resolved.device": "cuda:0" if gpu else "cpu", "resolved.dtype": "bfloat16" if gpu else "float32"}
     metrics: dict[str, float | list[float]] = {"target/val_loss": 4.5, "drift/fc_share": [0.2, 0.3, 0.5]}
     metrics["eval/in_dist/rollout/acc"] = [0.7 - 0.05 * i + ARMS[arm] / 10 for i in range(9)]
     for s in SUITES:
@@ -188,6 +191,7 @@ def test_report_tables_figures_and_provenance(store, tmp_path, capsys):
     report = (tmp_path / "a" / "report.md").read_text()
     assert f"parent run `{store[1]}`" in report and "`abc123`" in report and "tiny_code-000000000000" in report
     assert "![al_vs_depth](figures/al_vs_depth.png)" in report and "| eagle31 | 1 |" in report
+    assert "- Computed on: `cpu float32` (6 runs), `cuda:0 bfloat16` (1 run). **Mixed**: the arms' ratios" in report
     assert "Ratios: an arm's mean over seeds divided by EAGLE-3's" in report and "**1.195× [1.18" in report
 
 

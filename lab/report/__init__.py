@@ -3,6 +3,7 @@ PDF) and `report.md` assembling them with the study's provenance. Nothing is rer
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,9 +68,25 @@ def _provenance(study: Study, command: str) -> list[str]:
         f"- Target: `{target}` ({', '.join(f'`{t}`' for t in target_build) or 'no build tag'}; "
         f"validation loss {', '.join(val) or '?'}).",
         f"- Config hashes: {len(hashes)} distinct over {len(study.runs)} runs (one per arm and seed; listed below).",
+        _computed_on(study.runs),
         f"- Suites {', '.join(study.suites)}; k in {study.ks}; seeds {study.seeds}; backend `{study.backend}`"
         f" ({', '.join(study.backends)} ran).",
     ]
+
+
+def _computed_on(runs: list) -> str:
+    """Where the runs computed, and a warning when they differ: `dtype=auto` resolves per machine (bfloat16 on a
+    GPU, float32 on a CPU) and is not part of a run's config hash, so a study resumed elsewhere can mix them."""
+    where = Counter(
+        f"{r.data.params.get('resolved.device', '?')} {r.data.params.get('resolved.dtype', '?')}" for r in runs
+    )
+    said = ", ".join(f"`{w}` ({n} run{'s' * (n != 1)})" for w, n in sorted(where.items()))
+    if len(where) <= 1:
+        return f"- Computed on: {said or 'no runs'}."
+    return (
+        f"- Computed on: {said}. **Mixed**: the arms' ratios compare runs of different devices or precisions "
+        "(`dtype=auto` resolves per machine); pin `dtype=` when a study is resumed on another machine."
+    )
 
 
 def _intervals_said(study: Study, tables: list[tab_mod.Table]) -> str:
