@@ -86,17 +86,26 @@ def set_threads(cfg: DictConfig) -> None:
     torch.set_num_threads(thread_count(cfg))
 
 
-def run(
-    cfg: DictConfig,
-    progress: bool = True,
-    parent_run_id: str | None = None,
-    hooks: RunHooks | None = None,
-    tags: dict[str, Any] | None = None,
-) -> RunResult:
-    """One run, logged as an MLflow run (nested under `parent_run_id`) carrying `tags` too."""
-    hooks = hooks or RunHooks()
-    stage = hooks.on_stage
-    set_threads(cfg)
+@dataclass
+class Prepared:
+    """What a run has before its MLflow run starts: the target, the drafter to evaluate when one is loaded
+    (`source`), the training data and its cached hidden states, the suites. Everything here is cached on disk
+    and shared by every run of the same target and data."""
+
+    target: Target
+    source: tuple[CheckpointInfo, Eagle3Drafter] | None
+    logged: DictConfig  # the config as logged (a loaded drafter's own shape)
+    layers: list[int]
+    heldout: Any  # held-out sequences, for the rollout
+    data_stats: dict[str, float]
+    hidden: Any  # the hidden-state cache; None when a drafter is loaded
+    suites: list
+    seconds: dict[str, float]
+
+
+def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None]) -> Prepared:
+    """The stages before the MLflow run: target, drafter checkpoint or hidden-state cache, data, suites. Bad
+    input fails here, before any run is recorded."""
     seconds: dict[str, float] = {}
     t0 = time.time()
     stage("target")
@@ -106,7 +115,7 @@ def run(
     if cfg.drafter.checkpoint:
         t0 = time.time()
         stage("drafter")
-        source = _load_checkpoint(cfg, target)  # a bad checkpoint fails here, before any MLflow run
+        source = _load_checkpoint(cfg, target)
         seconds["drafter"] = time.time() - t0
         logged = _as_loaded(cfg, source[0])
         layers = list(source[1].spec.aux_layer_ids)
@@ -125,9 +134,34 @@ def run(
         seconds["cache"] = time.time() - t0
     t0 = time.time()
     stage("suites")
-    # bad input in a suite fails here, before any MLflow run
     suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
     seconds["suites"] = time.time() - t0
+    return Prepared(target, source, logged, layers, heldout, data_stats, hidden, suites, seconds)
+
+
+def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
+    """Build what `cfg`'s runs share (the target's conversion, regenerated data, hidden states, the suites'
+    answers) on every core, and nothing else; returns the seconds per stage. A study with several workers
+    calls it before they start, so its first cache is not built on one worker's share of the cores while
+    the others wait for it."""
+    set_threads(cfg)
+    return _prepare(cfg, progress, lambda stage: None).seconds
+
+
+def run(
+    cfg: DictConfig,
+    progress: bool = True,
+    parent_run_id: str | None = None,
+    hooks: RunHooks | None = None,
+    tags: dict[str, Any] | None = None,
+) -> RunResult:
+    """One run, logged as an MLflow run (nested under `parent_run_id`) carrying `tags` too."""
+    hooks = hooks or RunHooks()
+    stage = hooks.on_stage
+    set_threads(cfg)
+    prepared = _prepare(cfg, progress, stage)
+    target, source, logged, layers = prepared.target, prepared.source, prepared.logged, prepared.layers
+    hidden, suites, seconds = prepared.hidden, prepared.suites, prepared.seconds
 
     arm = arm_name(logged)
     tags = {
@@ -170,7 +204,7 @@ def run(
                 setup[keys.cache_stat("build_seconds")] = hidden.stats["build_seconds"]
         if "val_loss" in target.info:
             setup[keys.target_val_loss()] = target.info["val_loss"]
-        setup.update(data_stats)
+        setup.update(prepared.data_stats)
         if setup:
             mlrun.log_metrics(setup)
 
@@ -213,7 +247,7 @@ def run(
             stage("eval vllm")
             metrics.update(_evaluate_vllm(cfg, mlrun, target, drafter, suites, progress))
         stage("rollout")
-        rollout = heldout_evaluation(target, drafter, heldout, rollout_depth(cfg), seed=cfg.seed)
+        rollout = heldout_evaluation(target, drafter, prepared.heldout, rollout_depth(cfg), seed=cfg.seed)
         final = dict(rollout.metrics)
         seconds["eval"] = time.time() - t0
         final.update({keys.stage_seconds(k): v for k, v in seconds.items()})

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,19 @@ def test_lab_run_smollm2_smoke(workdir):
     for variant in ["llama3", "gemma", "mistral", "user_assistant"]:
         assert f"eval/template.{variant}/ref/k3/al" in metrics, variant
     assert metrics["data/train_sequences"] == 16 and metrics["data/regen_generated_tokens"] > 0
+
+
+def test_warm_caches_builds_what_the_runs_then_find(micro_overrides, micro_target):
+    """What a study warms before its workers start (lab/sweep/engine.py) is the runs' own hidden-state cache:
+    built once by the first call, found by the next."""
+    from lab.config import compose
+    from lab.pipeline import warm_caches
+
+    cfg = compose([*micro_overrides, "data.num_sequences=24"])  # a selection no other test caches
+    hidden = Path(cfg.cache_dir) / "hidden"
+    before = set(hidden.glob("*"))
+    assert set(warm_caches(cfg, progress=False)) == {"target", "data", "cache", "suites"}
+    built = set(hidden.glob("*")) - before
+    assert len([p for p in built if (p / "manifest.json").is_file()]) == 1
+    warm_caches(cfg, progress=False)
+    assert set(hidden.glob("*")) - before == built

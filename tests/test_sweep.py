@@ -285,6 +285,30 @@ def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tm
     assert len(_study(sweep, extra).trials) == 4 and len(_children(extra, first.parent_run_id)) == 4
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_helpers_start_after_the_shared_caches_are_warm_on_every_core(tmp_path, micro_overrides, monkeypatch, workers):
+    """With workers beside it, the launcher first builds the first trial's caches on every core (`threads`
+    unset), then starts them on their shares; a lone worker builds them in its own trial."""
+    calls: list[tuple] = []
+
+    class Started(Exception):
+        pass
+
+    def started(worker_args, extra, threads, count, log):
+        calls.append(("helpers", threads, count))
+        raise Started
+
+    monkeypatch.setattr(engine, "warm_caches", lambda cfg, progress: calls.append(("warm", cfg.threads)) or {})
+    monkeypatch.setattr(engine, "helpers", started)
+    spec_text = "space: {train.lr: [1.0e-3, 2.0e-3]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
+    sweep = spec.load(str(_write(tmp_path, "warm", spec_text)))
+    extra = [o for o in _store(tmp_path, micro_overrides) if not o.startswith("threads=")]
+    with pytest.raises(Started):
+        _launch(sweep, extra, workers=workers)
+    share = max(1, (os.cpu_count() or 1) // 2)
+    assert calls == ([("helpers", None, 0)] if workers == 1 else [("warm", None), ("helpers", share, 1)])
+
+
 @pytest.mark.slow
 def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_overrides):
     path = _write(

@@ -30,11 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from omegaconf import DictConfig
 from optuna.trial import TrialState
 
 from lab import metrics as keys
 from lab import track
 from lab.config import ConfigError, compose, redact
+from lab.pipeline import warm_caches
 from lab.preflight import check_checkpoint
 from lab.sweep.heartbeat import recover_stale, worker_name
 from lab.sweep.queue import counts, pop, top_up
@@ -110,6 +112,19 @@ def join(
     track.end_run(s.uri, s.parent_run_id, "FINISHED")
 
 
+def _warm(cfg: DictConfig, progress: bool, log: Callable[[str], None]) -> None:
+    """The first trial's shared caches, built here on every core before the workers start: else the first
+    worker builds them on its share of the cores while the others wait on the cache's lock. A failure is left
+    to the trials, which record it (each builds what it needs)."""
+    log("warming the caches the trials share (target, data, hidden states, suites) on every core first")
+    try:
+        seconds = warm_caches(cfg, progress)
+    except (RuntimeError, ValueError, OSError) as exc:
+        log(f"warming the caches failed ({type(exc).__name__}: {exc}); each trial builds what it needs")
+        return
+    log(f"caches warm in {sum(seconds.values()):.0f} s")
+
+
 def launch(
     sweep: Sweep,
     extra: list[str],
@@ -164,6 +179,8 @@ def launch(
             note = f"queued; the study's parent run stays RUNNING until a worker finishes its last trial: {join_cmd}"
             return SweepResult(name, redact(s.storage_url), parent.id, budget, c, 0, 0.0, note)
         count = min(workers, c["waiting"]) - 1  # no more workers than queued trials
+        if count > 0:
+            _warm(cfg, progress, log)
         with helpers(worker_args, extra, threads, count, log):
             prefix = "[w0] " if workers > 1 else ""
             work(s, threads, progress and workers == 1, lambda m: log(prefix + m))
