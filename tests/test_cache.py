@@ -75,6 +75,38 @@ def test_corrupted_shard_is_detected_and_rebuilt(micro_cfg, micro_target, micro_
     assert torch.equal(again.aux, first.aux)
 
 
+def test_interrupted_build_resumes_from_its_finished_shards(
+    micro_cfg, micro_target, micro_sequences, tmp_path, monkeypatch
+):
+    """Ctrl-C during the third of three shards: the rerun captures only that one, and the entry is the one an
+    uninterrupted build makes, bit for bit."""
+    from lab.data import cache
+
+    seqs, layers = micro_sequences[0][:10], aux_layers(micro_cfg)
+    monkeypatch.setattr(cache, "SHARD_SEQUENCES", 4)  # shards of 4, 4 and 2 sequences, one batch each
+    straight = build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path / "straight", 4, progress=False)
+    real, calls = cache.capture_batch, []
+
+    def interrupted(model, batch, layers):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(model, batch, layers)
+
+    monkeypatch.setattr(cache, "capture_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path / "resumed", 4, progress=False)
+    monkeypatch.setattr(cache, "capture_batch", lambda *a: (calls.append(len(a[1])), real(*a))[1])
+    resumed = build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path / "resumed", 4, progress=False)
+    assert calls == [4, 4, 2, 2]  # the rerun captured the last shard only
+    assert not resumed.stats["hit"] and not list((tmp_path / "resumed" / "hidden").glob("*.partial"))
+    assert torch.equal(resumed.aux, straight.aux) and torch.equal(resumed.final, straight.final)
+    assert (
+        json.loads((resumed.path / MANIFEST).read_text())["shards"]
+        == json.loads((straight.path / MANIFEST).read_text())["shards"]
+    )
+
+
 def test_key_depends_on_aux_layers(micro_cfg, micro_target, micro_sequences, tmp_path):
     seqs = micro_sequences[0][:4]
     a = build_or_load(micro_target, seqs, micro_cfg.data, [1, 2, 3], tmp_path, progress=False)

@@ -4,23 +4,27 @@ Layout: `{cache_dir}/hidden/{key}/shard_00000.safetensors ... manifest.json`. Ea
 `input_ids` [n, T] (int32), `loss_mask` [n, T] (uint8), `aux` [n, T, A*H] and `final` [n, T, H]
 (bfloat16). The key hashes the target fingerprint, the data config and the captured layer ids; the
 manifest records each shard's sha256, checked on every load (a corrupted or truncated shard triggers
-a rebuild, never silent use).
+a rebuild, never silent use). A build writes its shards into `{key}.partial/` first, so an interrupted
+build resumes from the shards it finished.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from lab.data.text import Sequences
-from lab.fsutil import file_lock, mismatched_file, read_manifest, sha256_file, short_hash, staging_dir
+from lab.fsutil import atomic_file, file_lock, mismatched_file, read_manifest, sha256_file, short_hash, staging_dir
 from lab.target import Target, capture
 from lab.target.capture import Captured
 
@@ -107,38 +111,46 @@ def capture_batch(model, batch: torch.Tensor, aux_layers: list[int]) -> Captured
 
 
 def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> dict:
+    """Capture shard by shard into `{key}.partial/` (each shard written whole or not at all), then publish the
+    entry: an interrupted build resumes from the shards it finished."""
+    partial = path.parent / f"{path.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
     shards = []
     started = time.time()
-    with staging_dir(path) as tmp:
-        bar = tqdm(total=len(sequences), desc="hidden-state cache", unit="seq", disable=not progress)
-        for index, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
-            chunk = sequences.input_ids[start : start + SHARD_SEQUENCES]
-            mask = sequences.loss_mask[start : start + SHARD_SEQUENCES]
+    bar = tqdm(total=len(sequences), desc="hidden-state cache", unit="seq", disable=not progress)
+    for index, start in enumerate(range(0, len(sequences), SHARD_SEQUENCES)):
+        chunk = sequences.input_ids[start : start + SHARD_SEQUENCES]
+        mask = sequences.loss_mask[start : start + SHARD_SEQUENCES]
+        name = f"shard_{index:05d}.safetensors"
+        if not _finished_shard(partial / name, chunk):
             aux, final = [], []
             for batch in chunk.to(target.device).split(batch_size):  # the stored ids stay on the CPU
                 out = capture_batch(target.model, batch, aux_layers)
                 aux.append(out.aux)
                 final.append(out.final)
                 bar.update(len(batch))
-            name = f"shard_{index:05d}.safetensors"
-            save_file(
-                {
-                    "input_ids": chunk.to(torch.int32).contiguous(),
-                    "loss_mask": mask.contiguous(),
-                    "aux": torch.cat(aux),
-                    "final": torch.cat(final),
-                },
-                str(tmp / name),
-            )
-            shards.append(
-                {
-                    "file": name,
-                    "sha256": sha256_file(tmp / name),
-                    "num_sequences": len(chunk),
-                    "bytes": (tmp / name).stat().st_size,
-                }
-            )
-        bar.close()
+            tensors = {
+                "input_ids": chunk.to(torch.int32).contiguous(),
+                "loss_mask": mask.contiguous(),
+                "aux": torch.cat(aux),
+                "final": torch.cat(final),
+            }
+            with atomic_file(partial / name) as tmp:
+                save_file(tensors, str(tmp))
+        else:
+            bar.update(len(chunk))
+        shards.append(
+            {
+                "file": name,
+                "sha256": sha256_file(partial / name),
+                "num_sequences": len(chunk),
+                "bytes": (partial / name).stat().st_size,
+            }
+        )
+    bar.close()
+    with staging_dir(path) as tmp:
+        for shard in shards:
+            os.replace(partial / shard["file"], tmp / shard["file"])
         manifest = {
             "key": key,
             "format": FORMAT,
@@ -151,4 +163,16 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
             "build_seconds": time.time() - started,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    shutil.rmtree(partial, ignore_errors=True)
     return manifest
+
+
+def _finished_shard(file: Path, chunk: torch.Tensor) -> bool:
+    """Whether an interrupted build left this shard whole, for these sequences."""
+    if not file.is_file():
+        return False
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return torch.equal(f.get_tensor("input_ids").long(), chunk.long())
+    except (SafetensorError, OSError):
+        return False
