@@ -76,7 +76,7 @@ def test_corrupted_shard_is_detected_and_rebuilt(micro_cfg, micro_target, micro_
 
 
 def test_interrupted_build_resumes_from_its_finished_shards(
-    micro_cfg, micro_target, micro_sequences, tmp_path, monkeypatch
+    micro_cfg, micro_target, micro_sequences, tmp_path, monkeypatch, capsys
 ):
     """Ctrl-C during the third of three shards: the rerun captures only that one, and the entry is the one an
     uninterrupted build makes, bit for bit."""
@@ -97,8 +97,10 @@ def test_interrupted_build_resumes_from_its_finished_shards(
     with pytest.raises(KeyboardInterrupt):
         build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path / "resumed", 4, progress=False)
     monkeypatch.setattr(cache, "capture_batch", lambda *a: (calls.append(len(a[1])), real(*a))[1])
+    capsys.readouterr()
     resumed = build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path / "resumed", 4, progress=False)
     assert calls == [4, 4, 2, 2]  # the rerun captured the last shard only
+    assert capsys.readouterr().out.splitlines() == [f"hidden-state cache: {n} of 10 sequences" for n in (4, 8, 10)]
     assert not resumed.stats["hit"] and not list((tmp_path / "resumed" / "hidden").glob("*.partial"))
     assert torch.equal(resumed.aux, straight.aux) and torch.equal(resumed.final, straight.final)
     assert (

@@ -98,9 +98,13 @@ def test_answers_are_the_targets_own_greedy_decoding(micro_target, chat, tmp_pat
             assert m["content"] != original.messages[i]["content"]
 
 
-def test_deterministic(micro_target, chat, tmp_path):
-    first = run(micro_target, chat, tmp_path / "one")
-    second = run(micro_target, chat, tmp_path / "two")
+def test_deterministic(micro_target, chat, tmp_path, capsys):
+    first = run(micro_target, chat, tmp_path / "one", chunk_size=2)
+    assert [line.split(",")[0] for line in capsys.readouterr().out.splitlines()] == [
+        f"regenerate: {n} of 3 chunks"
+        for n in (1, 2, 3)  # without bars, a line per chunk says how far it is
+    ]
+    second = run(micro_target, chat, tmp_path / "two", chunk_size=2)
     assert first.conversations == second.conversations
     assert first.path.name == second.path.name  # the same key: nothing about a run leaks into it
 

@@ -139,6 +139,8 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
                 save_file(tensors, str(tmp))
         else:
             bar.update(len(chunk))
+        if not progress:  # a log without bars still says how far a long capture is
+            print(f"hidden-state cache: {min(start + SHARD_SEQUENCES, len(sequences))} of {len(sequences)} sequences")
         shards.append(
             {
                 "file": name,

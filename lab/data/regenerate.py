@@ -239,7 +239,10 @@ def _build(
             run["generated_tokens"] += tokens
             run["generation_seconds"] += seconds
             run["chunks_generated"] += 1
-            bar.set_postfix(tok_s=f"{run['generated_tokens'] / max(run['generation_seconds'], 1e-9):.0f}")
+            rate = run["generated_tokens"] / max(run["generation_seconds"], 1e-9)
+            bar.set_postfix(tok_s=f"{rate:.0f}")
+            if not progress:  # a log without bars still says how far a long regeneration is
+                print(f"regenerate: {run['chunks_generated']} of {len(todo)} chunks, {rate:.0f} tokens/s", flush=True)
     return manifest
 
 
