@@ -140,7 +140,7 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
         else:
             bar.update(len(chunk))
         if not progress:  # a log without bars still says how far a long capture is
-            print(f"hidden-state cache: {min(start + SHARD_SEQUENCES, len(sequences))} of {len(sequences)} sequences")
+            print(f"hidden-state cache: {start + len(chunk)} of {len(sequences)} sequences")
         shards.append(
             {
                 "file": name,

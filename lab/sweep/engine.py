@@ -43,7 +43,7 @@ from lab.sweep.queue import counts, pop, top_up
 from lab.sweep.spec import Sweep
 from lab.sweep.storage import Session, dashboard_command, open_session
 from lab.sweep.summary import finish, spec_params, study_span
-from lab.sweep.trial import run_trial
+from lab.sweep.trial import RUN_FAILURES, run_trial
 from lab.sweep.workers import helpers
 
 
@@ -119,7 +119,7 @@ def _warm(cfg: DictConfig, progress: bool, log: Callable[[str], None]) -> None:
     log("warming the caches the trials share (target, data, hidden states, suites) on every core first")
     try:
         seconds = warm_caches(cfg, progress)
-    except (RuntimeError, ValueError, OSError) as exc:
+    except RUN_FAILURES as exc:
         log(f"warming the caches failed ({type(exc).__name__}: {exc}); each trial builds what it needs")
         return
     log(f"caches warm in {sum(seconds.values()):.0f} s")

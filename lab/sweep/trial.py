@@ -24,6 +24,9 @@ from lab.sweep.spec import PRUNE_METRIC
 from lab.sweep.storage import Session
 from lab.sweep.summary import fmt
 
+# what fails one run (bad data, a non-finite loss, a full disk) and not the study
+RUN_FAILURES = (RuntimeError, ValueError, FloatingPointError, OSError)
+
 
 def _finished_run(s: Session, trial: optuna.Trial, cfg: DictConfig, arm: str) -> Any | None:
     """A FINISHED child of the parent run that computed exactly this config for this slot: an earlier
@@ -105,7 +108,7 @@ def run_trial(
             s.study.tell(trial, state=TrialState.FAIL)
             retry(s, trial, None)  # a rerun picks it up again
             raise
-        except (RuntimeError, ValueError, FloatingPointError, OSError) as exc:  # recorded FAILED; the study goes on
+        except RUN_FAILURES as exc:  # recorded FAILED; the study goes on
             trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
             s.study.tell(trial, state=TrialState.FAIL)
             log(f"{name}: FAILED: {type(exc).__name__}: {exc}")
