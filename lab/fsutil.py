@@ -1,4 +1,4 @@
-"""Small file-system helpers shared by the caches: locks, atomic publication, content hashes."""
+"""Small file-system helpers shared by the caches: locks, atomic publication, content hashes, worker logs."""
 
 from __future__ import annotations
 
@@ -118,3 +118,13 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def short_hash(obj: Any, n: int = 12) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def last_error_line(log_path: Path, start: int = 0) -> str:
+    """What a failed worker's log says last about an error (from byte `start` on: a log appended to across
+    runs), for a one-line message."""
+    with open(log_path, "rb") as log:
+        log.seek(start)
+        lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or ["no output"])[-1][:300]

@@ -248,6 +248,10 @@ def test_vllm_worker_failure_names_its_log(micro_target, tmp_path):
     from lab.target.generate import open_generator
 
     broken = replace(micro_target, path=tmp_path / "no-such-model")
-    with pytest.raises(RuntimeError, match="log: .*worker.log"):
-        with open_generator(broken, "vllm", progress=False, log_path=tmp_path / "worker.log") as generate:
+    log = tmp_path / "worker.log"
+    log.write_text("an earlier session's Error, long fixed\n")
+    with pytest.raises(RuntimeError, match="log: .*worker.log") as failure:
+        with open_generator(broken, "vllm", progress=False, log_path=log) as generate:
             generate([[1, 2, 3]], 4)
+    # the log of a resumed build keeps the earlier sessions' lines, and the error quotes only this one's
+    assert log.read_text().startswith("an earlier session's Error") and "long fixed" not in str(failure.value)

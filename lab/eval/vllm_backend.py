@@ -22,6 +22,7 @@ from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
 from lab.eval.reference import DecodeStats
 from lab.eval.vllm_worker import PROGRESS
+from lab.fsutil import last_error_line
 
 Metrics = dict[str, float | list[float]]
 
@@ -83,7 +84,7 @@ def evaluate(
         cmd = [sys.executable, "-m", "lab.eval.vllm_worker", str(Path(tmp) / "job.json"), str(result_path)]
         returncode = _run_worker(cmd, log_path, v.timeout_s, progress)
         if returncode != 0 or not result_path.is_file():
-            raise VllmError(f"vLLM worker exited with {returncode}: {_last_error(log_path)} (log: {log_path})")
+            raise VllmError(f"vLLM worker exited with {returncode}: {last_error_line(log_path)} (log: {log_path})")
         result = json.loads(result_path.read_text())
     metrics = metrics_from_result(result, suites, eval_cfg.temperature)
     metrics[keys.stage_seconds("vllm")] = time.perf_counter() - start
@@ -157,9 +158,3 @@ def _env() -> dict[str, str]:
     # the worker must import this checkout's `lab`, wherever the caller runs from
     root = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-
-
-def _last_error(log_path: Path) -> str:
-    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or ["no output"])[-1][:300]

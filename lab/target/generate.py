@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from lab.fsutil import last_error_line
+
 BACKENDS = ("auto", "hf", "vllm")
 HF_BATCH = 16
 VLLM_MAX_NUM_SEQS = 64
@@ -219,7 +221,9 @@ class _VllmWorker:
 
     def __enter__(self) -> _VllmWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.log_path, "w")
+        # a named log is appended to: a resumed build keeps the earlier sessions' lines (its timings)
+        self.log = open(self.log_path, "a")
+        self.log_start = self.log.tell()
         cmd = [sys.executable, "-m", "lab.target.vllm_generate", json.dumps(self.job)]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=_worker_env(self.job)
@@ -245,14 +249,17 @@ class _VllmWorker:
             self.proc.stdin.write(json.dumps(message) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            self.proc.wait()
-            self._fail(f"vLLM generation worker exited with {self.proc.returncode}: {_last_error(self.log_path)}")
+            self._exited()
+
+    def _exited(self) -> None:
+        self.proc.wait()
+        why = last_error_line(self.log_path, self.log_start)
+        self._fail(f"vLLM generation worker exited with {self.proc.returncode}: {why}")
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            self.proc.wait()
-            self._fail(f"vLLM generation worker exited with {self.proc.returncode}: {_last_error(self.log_path)}")
+            self._exited()
         try:
             return json.loads(line)
         except json.JSONDecodeError:
@@ -291,9 +298,3 @@ def _worker_env(job: dict) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     return engine_environment(job, env)
-
-
-def _last_error(log_path: Path) -> str:
-    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or ["no output"])[-1][:300]
