@@ -14,6 +14,25 @@ def test_corpus_selection_is_recorded_and_split():
     assert corpus.manifest_hash(files) == corpus.manifest_hash(corpus.select(200_000))
 
 
+def test_corpus_walk_skips_tests_vendored_trees_and_huge_files(tmp_path):
+    files = {
+        "a.py": "x = 1\n",
+        "pkg/b.py": "y = 2\n",
+        "pkg/tests.py": "z = 3\n",  # a module named like a skipped folder is still library code
+        "pkg/test/c.py": "t = 1\n",
+        "site-packages/d.py": "v = 1\n",
+        "pkg/__pycache__/e.py": "c = 1\n",
+        "huge.py": "#" * (corpus._MAX_FILE_BYTES + 1),
+        "empty.py": "\n",
+        "notes.txt": "not python\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    chosen = corpus.select(10**9, tmp_path)
+    assert sorted(f.relpath for f in chosen) == ["a.py", "pkg/b.py", "pkg/tests.py"]
+
+
 def test_micro_target_builds_and_is_reused(micro_cfg, micro_target, monkeypatch):
     from lab.target import build
 

@@ -7,7 +7,9 @@ and sha256 of each file) is part of every cache key built on this corpus.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +39,18 @@ def _order_key(relpath: str) -> str:
     return hashlib.sha256(relpath.encode()).hexdigest()
 
 
-def select(max_bytes: int, root: Path | None = None) -> list[CorpusFile]:
-    """The first `max_bytes` of library source in hash order, each file marked train or held-out."""
+@functools.lru_cache(maxsize=8)
+def select(max_bytes: int, root: Path | None = None) -> tuple[CorpusFile, ...]:
+    """The first `max_bytes` of library source in hash order, each file marked train or held-out. Cached for
+    the process: a run selects it in several stages, and walking the library costs about a second."""
     root = root or stdlib_root()
     candidates = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if _SKIP_PARTS.intersection(rel.parts) or path.stat().st_size > _MAX_FILE_BYTES:
-            continue
-        candidates.append(rel.as_posix())
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _SKIP_PARTS]  # never walked into
+        for name in names:
+            path = Path(folder, name)
+            if name.endswith(".py") and path.stat().st_size <= _MAX_FILE_BYTES:
+                candidates.append(path.relative_to(root).as_posix())
     candidates.sort(key=_order_key)
     chosen: list[CorpusFile] = []
     total = 0
@@ -60,10 +65,10 @@ def select(max_bytes: int, root: Path | None = None) -> list[CorpusFile]:
             break
     if not chosen:
         raise FileNotFoundError(f"no Python source found under {root}")
-    return chosen
+    return tuple(chosen)
 
 
-def manifest_hash(files: list[CorpusFile]) -> str:
+def manifest_hash(files: tuple[CorpusFile, ...]) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f"{f.relpath}\0{f.sha256}\0{int(f.heldout)}\n".encode())
