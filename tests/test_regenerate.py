@@ -5,6 +5,7 @@ stop where the training sequence would."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import pytest
@@ -125,34 +126,37 @@ def test_second_call_is_a_cache_hit(micro_target, chat, tmp_path, monkeypatch):
         run(micro_target, chat, tmp_path, max_new_tokens=MAX_NEW + 1)
 
 
+def published_by(monkeypatch, calls: list[str], stop_at: int | None = None) -> None:
+    """Record the first conversation id of every part published (and interrupt at the `stop_at`-th)."""
+    real = regen._publish_part
+
+    def publish(path, manifest, name, records, seconds):
+        calls.append(records[0]["id"])
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return real(path, manifest, name, records, seconds)
+
+    monkeypatch.setattr(regen, "_publish_part", publish)
+
+
 def test_interrupted_run_resumes_from_finished_chunks(micro_target, chat, tmp_path, monkeypatch):
     whole = run(micro_target, chat, tmp_path / "whole", chunk_size=2)  # 5 conversations: 3 chunks
-    real = regen._regenerate_chunk
     calls = []
-
-    def interrupted(*args, **kwargs):
-        calls.append(args[3][0].id)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(regen, "_regenerate_chunk", interrupted)
+    published_by(monkeypatch, calls, stop_at=2)
     with pytest.raises(KeyboardInterrupt):
         run(micro_target, chat, tmp_path / "resumed", chunk_size=2)
     assert calls == ["a", "c"]
-
-    monkeypatch.setattr(regen, "_regenerate_chunk", lambda *a, **k: (calls.append(a[3][0].id), real(*a, **k))[1])
+    published_by(monkeypatch, calls := [])
     resumed = run(micro_target, chat, tmp_path / "resumed", chunk_size=2)
-    assert calls[2:] == ["c", "e"]  # the first chunk came from the cache
+    assert calls == ["c", "e"]  # the first chunk came from the cache
     assert resumed.stats["chunks_generated"] == 2 and resumed.stats["chunks_loaded"] == 1
     assert resumed.conversations == whole.conversations
 
 
 def test_a_larger_selection_regenerates_only_its_new_chunks(micro_target, chat, tmp_path, monkeypatch):
     small = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[:4], chunk_size=2)
-    real = regen._regenerate_chunk
     calls = []
-    monkeypatch.setattr(regen, "_regenerate_chunk", lambda *a, **k: (calls.append(a[3][0].id), real(*a, **k))[1])
+    published_by(monkeypatch, calls)
     large = run(micro_target, chat, tmp_path, chunk_size=2)  # the same order, one more chunk
     assert calls == ["e"] and large.path == small.path
     assert large.stats["chunks_generated"] == 1 and large.stats["chunks_loaded"] == 2
@@ -168,22 +172,16 @@ def test_later_turns_follow_the_targets_earlier_answers(micro_target, chat, tmp_
     prompts = []
     real = regen.open_generator
 
+    @contextlib.contextmanager
     def recording(*args, **kwargs):
-        cm = real(*args, **kwargs)
-
-        class Recorder:
-            def __enter__(self):
-                generate = cm.__enter__()
-                return lambda ps, n: (prompts.append(list(ps)), generate(ps, n))[1]
-
-            def __exit__(self, *exc):
-                return cm.__exit__(*exc)
-
-        return Recorder()
+        with real(*args, **kwargs) as generate:
+            stream = generate.stream
+            generate.stream = lambda requests: (prompts.append([p for p, _ in requests.values()]), stream(requests))[1]
+            yield generate
 
     monkeypatch.setattr(regen, "open_generator", recording)
     result = run(micro_target, chat, tmp_path, conversations=CONVERSATIONS[1:2])
-    assert len(prompts) == 2  # two waves: the first assistant turn, then the second
+    assert [len(p) for p in prompts] == [1, 1]  # the first assistant turn, then the second
     answer = result.conversations[0].messages[2]["content"]
     assert answer
     turn2 = micro_target.tokenizer.decode(prompts[1][0])
@@ -191,26 +189,62 @@ def test_later_turns_follow_the_targets_earlier_answers(micro_target, chat, tmp_
     assert prompts[1][0] == chat.prompt(list(result.conversations[0].messages[:4]))
 
 
-def test_the_progress_bar_counts_each_wave_once_it_is_generated(micro_target, chat):
-    """A wave's turns are generated together, so the bar advances by the whole wave at once: turn by turn,
-    its rate would be the first turn's (the wave's whole time) and its ETA a wave's time per turn."""
+class ScriptedEngine:
+    """A stand-in for an engine's `stream`, for the scheduler alone: request i takes `steps[i]` engine steps
+    (in the order it was added) and answers "pass"; every step is recorded with the requests in it."""
 
-    class Bar:
-        def __init__(self) -> None:
-            self.total, self.updates = 8, []
+    def __init__(self, answer: list[int], steps: list[int]):
+        self.answer, self.steps, self.left, self.log = answer, list(steps), {}, []
+        self.prompts: dict[int, list[int]] = {}
 
-        def update(self, n: int) -> None:
-            self.updates.append(n)
+    def stream(self, requests: dict) -> dict[int, list[int]]:
+        for key, (prompt, _) in requests.items():
+            self.left[key] = self.steps.pop(0)
+            self.prompts[key] = prompt
+        finished: dict[int, list[int]] = {}
+        while not finished and self.left:
+            self.log.append(sorted(self.left))
+            for key in list(self.left):
+                self.left[key] -= 1
+                if not self.left[key]:
+                    del self.left[key]
+                    finished[key] = self.answer
+        return finished
 
-        def refresh(self) -> None:
-            pass
 
+class Bar:
+    def __init__(self, total: int) -> None:
+        self.total, self.n = total, 0
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def refresh(self) -> None:
+        pass
+
+
+def test_the_pool_keeps_its_places_full_across_chunks(micro_target, chat):
+    """A slot freed by a finished turn goes at once to that conversation's next turn, else to the next
+    conversation, of this chunk or the next; never more than `pool` turns run, and each chunk is published
+    when its last conversation ends, even before an earlier chunk."""
     answer = micro_target.tokenizer("pass")["input_ids"]
-    bar = Bar()
-    regen._regenerate_chunk(
-        lambda prompts, limits: [answer] * len(prompts), chat, micro_target.tokenizer, CONVERSATIONS, 4, SEQ_LEN, bar
+    # turns in the order they start: a1 (slow), b1, b2, c1, c2, c3, d1, e1
+    engine = ScriptedEngine(answer, [9, 1, 1, 1, 1, 1, 1, 1])
+    chunks = [CONVERSATIONS[:2], CONVERSATIONS[2:4], CONVERSATIONS[4:]]
+    published = []
+    bar = Bar(8)
+    regen._regenerate(
+        engine, chat, micro_target.tokenizer, chunks, 4, SEQ_LEN, 2, lambda k, r: published.append((k, r)), bar
     )
-    assert bar.updates == [5, 2, 1] and bar.total == 8  # 5 conversations' first turns, then 2 second, 1 third
+    assert max(len(step) for step in engine.log) == 2  # the pool
+    assert engine.log[:3] == [[0, 1], [0, 2], [0, 3]]  # b's second turn takes b1's place; then c starts
+    assert [k for k, _ in published] == [1, 2, 0]  # chunk 0 waits on its slow first turn
+    assert bar.n == bar.total == 8
+    records = {r["id"]: r for _, rs in published for r in rs}
+    answers = [m["content"] for r in records.values() for m in r["messages"] if m["role"] == "assistant"]
+    assert answers == ["pass"] * 8 and len(records) == 5
+    # the second turn of c follows c's first answer
+    assert engine.prompts[4] == chat.prompt(records["c"]["messages"][:3])
 
 
 def test_conversations_stop_where_the_sequence_would(micro_target, chat, tmp_path):

@@ -1,16 +1,22 @@
 """Greedy generation with the target, batched: the answers that regeneration (lab/data/regenerate.py) puts in
 place of a dataset's own, so that a drafter learns what its target actually says.
 
-Two backends behind one callable, `generate(prompts, max_new_tokens) -> continuations`:
+Two backends behind one object, `Greedy`, with two ways in:
+- `greedy(prompts, max_new_tokens) -> continuations`: one batch, answered whole;
+- `greedy.stream({request id: (prompt, max_new_tokens)}) -> {request id: continuation}`: starts the given
+  requests beside those still running and returns as soon as any finish, so a caller keeps the engine's batch
+  full by refilling it (regeneration's rolling pool of conversations).
 
 - `hf`: the already-loaded transformers model. Prompts are sorted by length and left-padded into batches of
   `HF_BATCH`, then decoded by a hand-written KV-cache greedy loop that drops finished rows from the batch
   (and the cache): on a CPU the cost of a step grows with the rows in it, and answers end at very different
-  lengths. It is deterministic (argmax, fixed shapes for the same inputs).
+  lengths. It is deterministic (argmax, fixed shapes for the same inputs). Its `stream` answers every
+  request it holds before it returns: a batch cannot take new rows halfway.
 - `vllm`: ONE worker process (`python -m lab.target.vllm_generate`) for the life of the context, so the
   engine starts once (tens of seconds) however many batches follow. This module never imports vllm: only
   worker modules, each in its own process, do (the project's rule; vLLM's CPU engine binds threads and
-  keeps global state for the life of a process).
+  keeps global state for the life of a process). Its `stream` steps vLLM's engine until a request finishes,
+  so which requests share a step depends only on what the caller sent, never on timing.
 
 Every continuation stops at, and excludes, the tokenizer's eos id, or after `max_new_tokens` (fewer where the
 prompt would otherwise run past the model's context). Outputs are in the order of the prompts.
@@ -40,8 +46,58 @@ VLLM_MAX_NUM_SEQS = 64
 VLLM_KV_CACHE_GIB = 2
 WORKER_EXIT_S = 60  # how long a closed worker may take to exit before it is killed
 
-# generate(prompts, max_new_tokens): one limit for all prompts, or one per prompt
-Generate = Callable[[list[list[int]], int | list[int]], list[list[int]]]
+Requests = dict[int, tuple[list[int], int]]  # request id -> (prompt, max new tokens)
+
+
+class Greedy:
+    """Greedy generation over one target (see the module docstring). `run(prompts, limits)` answers a batch;
+    `step(requests)` adds requests to those under way and returns the ids and answers of those that finished
+    (at least one while any runs). Both see only prompts with room to generate; this class clamps every
+    limit to the context, answers the rest with nothing, and cuts each answer at the eos."""
+
+    def __init__(
+        self,
+        run: Callable[[list[list[int]], list[int]], list[list[int]]],
+        step: Callable[[Requests], dict[int, list[int]]],
+        eos: int,
+        max_positions: int,
+    ):
+        self._run, self._step, self.eos, self.max_positions = run, step, eos, max_positions
+        self.running = 0
+
+    def _limit(self, prompt: list[int], wanted: int) -> int:
+        return max(0, min(wanted, self.max_positions - len(prompt))) if prompt else 0
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
+        """One continuation per prompt, in order; `max_new_tokens` is one limit for all or one per prompt."""
+        wanted = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        limits = [self._limit(p, n) for p, n in zip(prompts, wanted, strict=True)]
+        todo = [i for i, n in enumerate(limits) if n > 0]
+        outs: list[list[int]] = [[] for _ in prompts]
+        if todo:
+            done = self._run([list(prompts[i]) for i in todo], [limits[i] for i in todo])
+            for i, out in zip(todo, done, strict=True):
+                outs[i] = _until_eos(out, self.eos)[: limits[i]]
+        return outs
+
+    def stream(self, requests: Requests) -> dict[int, list[int]]:
+        """Start `requests` and return those that finished since the last call: at least one, unless nothing
+        runs. A request with no room to generate finishes at once, empty."""
+        done: dict[int, list[int]] = {}
+        todo: Requests = {}
+        for key, (prompt, wanted) in requests.items():
+            limit = self._limit(prompt, wanted)
+            if limit > 0:
+                todo[key] = (list(prompt), limit)
+            else:
+                done[key] = []
+        self.running += len(todo)
+        if todo or (self.running and not done):
+            finished = self._step(todo)
+            self.running -= len(finished)
+            for key, out in finished.items():
+                done[key] = _until_eos(out, self.eos)
+        return done
 
 
 def resolve_backend(name: str) -> str:
@@ -78,9 +134,8 @@ def open_generator(
     dtype: str = "auto",
     log_path: str | Path | None = None,
     kv_cache_gib: float = VLLM_KV_CACHE_GIB,
-) -> Iterator[Generate]:
-    """A greedy `generate(prompts, max_new_tokens)` over `target` (lab.target.Target) for the body of the
-    context; `max_new_tokens` is one limit for every prompt or a list of one per prompt. `dtype` and
+) -> Iterator[Greedy]:
+    """A `Greedy` generator over `target` (lab.target.Target) for the body of the context. `dtype` and
     `kv_cache_gib` are vLLM's (hf uses the loaded model as it is, on its device and in its dtype;
     `dtype="auto"`: see resolve_dtype); `progress` shows a bar over each call's prompts (hf only: vLLM's would
     go to its log). The vLLM worker's output goes to `log_path`
@@ -91,27 +146,20 @@ def open_generator(
         raise ValueError("the target's tokenizer has no eos token: greedy answers would never stop")
     max_positions = int(target.model.config.max_position_embeddings)
 
-    def wrap(run: Callable[[list[list[int]], list[int]], list[list[int]]]) -> Generate:
-        def generate(prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[list[int]]:
-            wanted = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-            # a prompt with no room left in the context (or an empty one) gets an empty answer, unrun
-            limits = [max(0, min(n, max_positions - len(p))) for p, n in zip(prompts, wanted, strict=True)]
-            todo = [i for i, n in enumerate(limits) if n > 0 and len(prompts[i]) > 0]
-            outs: list[list[int]] = [[] for _ in prompts]
-            if todo:
-                done = run([list(prompts[i]) for i in todo], [limits[i] for i in todo])
-                for i, out in zip(todo, done, strict=True):
-                    outs[i] = _until_eos(out, eos)[: limits[i]]
-            return outs
-
-        return generate
-
     if backend == "hf":
         previous = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
+
+        def run(prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
+            return _hf_generate(target.model, prompts, limits, eos, progress)
+
+        def step(requests: Requests) -> dict[int, list[int]]:  # answers them all: nothing is left running
+            keys = list(requests)
+            return dict(zip(keys, run([requests[k][0] for k in keys], [requests[k][1] for k in keys]), strict=True))
+
         try:
-            yield wrap(lambda prompts, limits: _hf_generate(target.model, prompts, limits, eos, progress))
+            yield Greedy(run, step, eos, max_positions)
         finally:
             torch.set_num_threads(previous)
         return
@@ -127,7 +175,7 @@ def open_generator(
         "seed": 0,
     }
     with _VllmWorker(job, log_path) as worker:
-        yield wrap(worker.generate)
+        yield Greedy(worker.generate, worker.step, eos, max_positions)
 
 
 def _until_eos(ids: list[int], eos: int) -> list[int]:
@@ -243,6 +291,13 @@ class _VllmWorker:
         if "outputs" not in reply:
             self._fail(f"vLLM generation failed: {reply.get('error', reply)}")
         return reply["outputs"]
+
+    def step(self, requests: Requests) -> dict[int, list[int]]:
+        self._send({"add": [[key, prompt, limit] for key, (prompt, limit) in requests.items()]})
+        reply = self._read()
+        if "finished" not in reply:
+            self._fail(f"vLLM generation failed: {reply.get('error', reply)}")
+        return {key: out for key, out in reply["finished"]}
 
     def _send(self, message: dict) -> None:
         try:

@@ -4,7 +4,10 @@ A persistent worker: it builds ONE `LLM` over the target folder (engine in this 
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`, `uni` executor, eager mode, no tokenizer: token ids in and out), says
 `{"ready": true}`, then answers one JSON line per request line on stdin until stdin closes:
 `{"prompts": [[ids]], "max_tokens": [n per prompt]}` -> `{"outputs": [[ids]], "seconds": s}` (greedy,
-stopping at the job's eos id), or `{"error": "..."}`. The protocol has the process's stdout to itself:
+stopping at the job's eos id); or, for a caller that keeps the batch full itself,
+`{"add": [[key, ids, max_tokens], ...]}` -> `{"finished": [[key, ids], ...]}`: the requests join those under
+way, and the engine steps until at least one request finishes (none are left out of a step that finishes
+several); or `{"error": "..."}`. The protocol has the process's stdout to itself:
 file descriptor 1 is pointed at stderr (the parent's log) before vllm is imported, so nothing vLLM or its
 C++ kernels print can interleave with a reply. Only this module, in its own process, imports vllm.
 """
@@ -65,15 +68,57 @@ def build(job: dict) -> Any:
 
 
 def generate(llm: Any, job: dict, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # the eos is named explicitly: without a tokenizer, vLLM would only know the model config's
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[job["eos"]], detokenize=False) for n in max_tokens
-    ]
+    params = [_params(job, n) for n in max_tokens]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class Stream:
+    """Requests under way across `add` messages, by the caller's keys; a log line a minute sums them up."""
+
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, llm: Any, job: dict):
+        self.llm, self.job = llm, job
+        self.keys: dict[str, int] = {}  # vLLM's request id -> the caller's key
+        self.tokens, self.finished, self.since = 0, 0, time.perf_counter()
+
+    def add(self, requests: list[list]) -> list[list]:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        for key, prompt, limit in requests:
+            params = _params(self.job, limit)
+            params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: no partial outputs
+            # the caller's key is the request id that outputs carry (vLLM adds its own suffix inside)
+            engine.add_request(str(key), TokensPrompt(prompt_token_ids=prompt), params)
+            self.keys[str(key)] = key
+        finished: list[list] = []
+        while not finished and engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished.append([self.keys.pop(out.request_id), list(out.outputs[0].token_ids)])
+        self.tokens += sum(len(ids) for _, ids in finished)
+        self.finished += len(finished)
+        seconds = time.perf_counter() - self.since
+        if seconds >= self.LOG_EVERY_S or not self.keys:
+            print(
+                f"stream: {self.finished} finished, {len(self.keys)} running, {self.tokens} tokens in {seconds:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.tokens, self.finished, self.since = 0, 0, time.perf_counter()
+        return finished
+
+
+def _params(job: dict, max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    # the eos is named explicitly: without a tokenizer, vLLM would only know the model config's
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[job["eos"]], detokenize=False)
 
 
 def main(argv: list[str]) -> int:
@@ -93,11 +138,17 @@ def main(argv: list[str]) -> int:
         reply(channel, {"error": f"{type(exc).__name__}: {exc}"})
         raise
     reply(channel, {"ready": True, "startup_s": time.perf_counter() - start, "vllm_version": vllm.__version__})
+    stream = Stream(llm, job)
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
             request = json.loads(line)
+            if "add" in request:
+                reply(channel, {"finished": stream.add(request["add"])})
+                continue
+            if stream.keys:  # a whole batch would run (and swallow) the streamed requests too
+                raise RuntimeError(f"a batch was sent while {len(stream.keys)} streamed requests run")
             start = time.perf_counter()
             outputs = generate(llm, job, request["prompts"], request["max_tokens"])
             seconds = time.perf_counter() - start
