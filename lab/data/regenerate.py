@@ -24,9 +24,9 @@ Cutting, so that no token is generated that the training sequence (`seq_len` tok
 Cache: `{cache_dir}/regen/{key}/part_{chunk}.jsonl ... manifest.json`, one part per chunk of `chunk_size`
 conversations, published as each chunk finishes (with its sha256 in the manifest, checked on every load),
 so an interrupted run resumes from the finished chunks (each part records the time since the part before
-it as its `seconds`). The key hashes the target, the chat template, the
-generation settings and the backend (vLLM's bf16 and transformers' fp32 greedy answers differ); each part
-is named by the hash of its chunk's conversations. A selection is a seeded order cut at a count, so a
+it as its `seconds`). The key hashes the target, the chat template, the generation settings and the backend
+(vLLM's bf16 and transformers' fp32 greedy answers differ); each part is named by the hash of its chunk's
+conversations. A selection is a seeded order cut at a count, so a
 larger selection starts with the smaller one's chunks and regenerates only the new ones; a selection whose
 chunks are all there is a hit that never runs the target. A file lock keeps two processes from
 regenerating the same entry at once.
