@@ -26,10 +26,9 @@ conversations, published as each chunk finishes (with its sha256 in the manifest
 so an interrupted run resumes from the finished chunks (each part records the time since the part before
 it as its `seconds`). The key hashes the target, the chat template, the generation settings and the backend
 (vLLM's bf16 and transformers' fp32 greedy answers differ); each part is named by the hash of its chunk's
-conversations. A selection is a seeded order cut at a count, so a
-larger selection starts with the smaller one's chunks and regenerates only the new ones; a selection whose
-chunks are all there is a hit that never runs the target. A file lock keeps two processes from
-regenerating the same entry at once.
+conversations. A selection is a seeded order cut at a count, so a larger selection starts with the smaller
+one's chunks and regenerates only the new ones; a selection whose chunks are all there is a hit that never
+runs the target. A file lock keeps two processes from regenerating the same entry at once.
 """
 
 from __future__ import annotations
@@ -298,7 +297,7 @@ def _regenerate(
             if request is None:  # the conversation is over
                 left[k] -= 1
                 if not left[k]:
-                    publish(k, [_record(s) for s in states[k]])
+                    publish(k, [_record(done) for done in states[k]])
                 continue
             running[next_id] = (k, s)
             add[next_id] = request

@@ -63,7 +63,6 @@ class Greedy:
         max_positions: int,
     ):
         self._run, self._step, self.eos, self.max_positions = run, step, eos, max_positions
-        self.running = 0
 
     def _limit(self, prompt: list[int], wanted: int) -> int:
         return max(0, min(wanted, self.max_positions - len(prompt))) if prompt else 0
@@ -91,11 +90,8 @@ class Greedy:
                 todo[key] = (list(prompt), limit)
             else:
                 done[key] = []
-        self.running += len(todo)
-        if todo or (self.running and not done):
-            finished = self._step(todo)
-            self.running -= len(finished)
-            for key, out in finished.items():
+        if todo or not done:  # nothing to wait for when some finished at once and none were added
+            for key, out in self._step(todo).items():
                 done[key] = _until_eos(out, self.eos)
         return done
 

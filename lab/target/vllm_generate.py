@@ -76,13 +76,12 @@ def generate(llm: Any, job: dict, prompts: list[list[int]], max_tokens: list[int
 
 
 class Stream:
-    """Requests under way across `add` messages, by the caller's keys; a log line a minute sums them up."""
+    """Requests under way across `add` messages, named by the caller's keys; a log line a minute sums them up."""
 
     LOG_EVERY_S = 60.0
 
     def __init__(self, llm: Any, job: dict):
         self.llm, self.job = llm, job
-        self.keys: dict[str, int] = {}  # vLLM's request id -> the caller's key
         self.tokens, self.finished, self.since = 0, 0, time.perf_counter()
 
     def add(self, requests: list[list]) -> list[list]:
@@ -95,18 +94,18 @@ class Stream:
             params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks: no partial outputs
             # the caller's key is the request id that outputs carry (vLLM adds its own suffix inside)
             engine.add_request(str(key), TokensPrompt(prompt_token_ids=prompt), params)
-            self.keys[str(key)] = key
         finished: list[list] = []
         while not finished and engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    finished.append([self.keys.pop(out.request_id), list(out.outputs[0].token_ids)])
+                    finished.append([int(out.request_id), list(out.outputs[0].token_ids)])
         self.tokens += sum(len(ids) for _, ids in finished)
         self.finished += len(finished)
         seconds = time.perf_counter() - self.since
-        if seconds >= self.LOG_EVERY_S or not self.keys:
+        running = engine.get_num_unfinished_requests()
+        if seconds >= self.LOG_EVERY_S or not running:
             print(
-                f"stream: {self.finished} finished, {len(self.keys)} running, {self.tokens} tokens in {seconds:.1f}s",
+                f"stream: {self.finished} finished, {running} running, {self.tokens} tokens in {seconds:.1f}s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -147,8 +146,8 @@ def main(argv: list[str]) -> int:
             if "add" in request:
                 reply(channel, {"finished": stream.add(request["add"])})
                 continue
-            if stream.keys:  # a whole batch would run (and swallow) the streamed requests too
-                raise RuntimeError(f"a batch was sent while {len(stream.keys)} streamed requests run")
+            if llm.llm_engine.has_unfinished_requests():  # a whole batch would run (and swallow) them too
+                raise RuntimeError("a batch was sent while streamed requests run")
             start = time.perf_counter()
             outputs = generate(llm, job, request["prompts"], request["max_tokens"])
             seconds = time.perf_counter() - start
