@@ -204,6 +204,9 @@ class TrainConfig:
     autocast_bf16: bool = False
     # a resume checkpoint every N steps under {cache_dir}/checkpoints/ (0: none); a rerun continues from it
     checkpoint_every: int = checked(50, min=0)
+    # take the drafter of a finished run (of any study in the store) that trained the same weights: same
+    # target, data, drafter, training, seed and training code (tag `train_key`); false trains again
+    reuse: bool = True
 
 
 @dataclass
@@ -1073,12 +1076,13 @@ def _changed(value: Any, default: Any) -> Any:
 
 def config_hash(cfg: DictConfig | dict) -> str:
     """Identity of what a run computes: the values that differ from the schema's defaults (not where the run
-    is tracked, how it is labelled, on which device or with how many threads it computes, or how often it saves
-    progress), and the hash scheme."""
+    is tracked, how it is labelled, on which device or with how many threads it computes, how often it saves
+    progress or whether it may reuse a drafter trained alike), and the hash scheme."""
     data = to_container(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
     for key in ("tracking", "study", "arm", "cache_dir", "threads", "device"):
         data.pop(key, None)
-    data.get("train", {}).pop("checkpoint_every", None)
+    for key in ("checkpoint_every", "reuse"):
+        data.get("train", {}).pop(key, None)
     changed = _changed(data, _schema_defaults(data))
     identity = {"scheme": CONFIG_HASH_SCHEME, "config": {} if changed is _NOT_SET else changed}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]

@@ -51,6 +51,11 @@ def train_stat(stat: TrainStat) -> str:
     return f"train/{_one_of(stat, TrainStat)}"
 
 
+def is_training_curve(key: str) -> bool:
+    """Whether `key` is one of the curves the trainer logs per step (what a reused drafter's run copies)."""
+    return key.startswith("train/") and key != train_stat("final_tokens_per_s")
+
+
 def train_step_loss(i: int) -> str:
     """Step i's TTT loss (i = 0 .. ttt_length - 1)."""
     return f"train/ploss_{i}"

@@ -5,7 +5,11 @@ that is interrupted (Ctrl-C: the MLflow run ends KILLED) or fails is continued b
 command, in a new MLflow run tagged `resumed_from_step` and `resumed_from_run`.
 
 With `drafter.checkpoint` the run evaluates a drafter trained elsewhere instead: target -> load and check
-the checkpoint -> evaluation -> MLflow (no hidden-state cache, no training), logged like a trained run."""
+the checkpoint -> evaluation -> MLflow (no hidden-state cache, no training), logged like a trained run.
+
+A trained run is tagged `train_key` (lab/train/resume.py `drafter_key`). With `train.reuse` (the default),
+a run whose key a finished run of any study already carries takes that run's drafter and training curves
+instead of training again (tagged `trained_by_run`): an arm shared by several studies trains once."""
 
 from __future__ import annotations
 
@@ -94,6 +98,8 @@ class Prepared:
 
     target: Target
     source: tuple[CheckpointInfo, Eagle3Drafter] | None
+    train_key: str | None  # the trained drafter's identity (None when one is imported)
+    reused: tuple[track.TrainedRun, Eagle3Drafter] | None  # the drafter of a finished run that trained alike
     logged: DictConfig  # the config as logged (a loaded drafter's own shape)
     layers: list[int]
     heldout: Any  # held-out sequences, for the rollout
@@ -103,9 +109,9 @@ class Prepared:
     seconds: dict[str, float]
 
 
-def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None]) -> Prepared:
-    """The stages before the MLflow run: target, drafter checkpoint or hidden-state cache, data, suites. Bad
-    input fails here, before any run is recorded."""
+def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None], reuse: bool = True) -> Prepared:
+    """The stages before the MLflow run: target, drafter checkpoint (imported, or with `reuse` one trained
+    alike) or hidden-state cache, data, suites. Bad input fails here, before any run is recorded."""
     seconds: dict[str, float] = {}
     t0 = time.time()
     stage("target")
@@ -122,12 +128,21 @@ def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None]) -> P
     else:
         logged = cfg
         layers = aux_layers(cfg)
+    train_key, reused = None, None
+    if source is None:
+        external = torchspec_backend.provenance() if cfg.train.backend == "torchspec" else {}
+        train_key = resume.drafter_key(cfg, target.fingerprint, layers, external)
+        if reuse and cfg.train.reuse:
+            t0 = time.time()
+            stage("drafter")
+            reused = _trained_alike(cfg, target, train_key, layers)
+            seconds["drafter"] = time.time() - t0
     t0 = time.time()
     stage("data")
     train_seqs, heldout, chat_inputs, data_stats = _training_data(cfg, target, progress)
     seconds["data"] = time.time() - t0
     hidden = None
-    if source is None:
+    if source is None and reused is None:
         t0 = time.time()
         stage("cache")
         hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
@@ -136,7 +151,7 @@ def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None]) -> P
     stage("suites")
     suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
     seconds["suites"] = time.time() - t0
-    return Prepared(target, source, logged, layers, heldout, data_stats, hidden, suites, seconds)
+    return Prepared(target, source, train_key, reused, logged, layers, heldout, data_stats, hidden, suites, seconds)
 
 
 def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
@@ -145,7 +160,7 @@ def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
     calls it before they start, so its first cache is not built on one worker's share of the cores while
     the others wait for it."""
     set_threads(cfg)
-    return _prepare(cfg, progress, lambda stage: None).seconds
+    return _prepare(cfg, progress, lambda stage: None, reuse=False).seconds
 
 
 def run(
@@ -177,11 +192,16 @@ def run(
     }
     if source is not None:
         tags.update({"drafter_source": str(source[0].path.resolve()), "drafter_format": source[0].format})
-    elif cfg.train.backend == "torchspec":
-        tags.update(torchspec_backend.provenance())
+    else:
+        tags["train_key"] = prepared.train_key
+        if cfg.train.backend == "torchspec":
+            tags.update(torchspec_backend.provenance())
+    reused = prepared.reused
+    if reused is not None:
+        tags["trained_by_run"] = reused[0].trained_by
     t = cfg.tracking
     resume_dir = None
-    if source is None and cfg.train.checkpoint_every > 0:
+    if source is None and reused is None and cfg.train.checkpoint_every > 0:
         resume_dir = resume.checkpoint_dir(cfg, target.fingerprint, layers)
     with (
         _resume_checkpoint(resume_dir) as resume_dir,
@@ -211,6 +231,9 @@ def run(
         metrics: dict[str, float | list[float]] = dict(setup)
         if source is not None:
             drafter = source[1]
+        elif reused is not None:
+            drafter = reused[1]
+            _replay_training(mlrun, reused[0], hooks)
         else:
             drafter, tokens_per_s = _train(cfg, mlrun, target, hidden, layers, resume_dir, hooks, progress, seconds)
             if tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
@@ -286,6 +309,31 @@ def _training_data(cfg: DictConfig, target, progress: bool):
 
     inputs = ChatSuiteInputs(data.heldout_conversations, data.chat, answer, str(cfg.cache_dir))
     return data.train, data.heldout, inputs, data.stats
+
+
+def _trained_alike(cfg: DictConfig, target, train_key: str, layers: list[int]):
+    """The drafter of the first finished run tagged `train_key` (of any study in the store), loaded with the
+    run it came from; None when no run trained it yet."""
+    with tempfile.TemporaryDirectory() as tmp:
+        found = track.trained_run(cfg.tracking.uri, train_key, tmp, keys.is_training_curve)
+        if found is None:
+            return None
+        drafter = load_checkpoint(found.checkpoint, embed_weight=target.embed_weight, aux_layers=layers)
+    print(
+        f"training: the drafter of run {found.trained_by} (train_key {train_key}), trained with the same "
+        "config, seed and code; train.reuse=false trains it again"
+    )
+    return found, drafter.to(target.device)
+
+
+def _replay_training(mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
+    """Log the training curves of the run whose drafter this run reuses, step by step, as training would
+    (a sweep's pruner hears them too)."""
+    steps = sorted({step for curve in trained.curves.values() for step, _ in curve})
+    for step in steps:
+        metrics = {key: value for key, curve in trained.curves.items() for s, value in curve if s == step}
+        mlrun.log_metrics(metrics, step)
+        hooks.on_train_metrics(metrics, step)
 
 
 def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: RunHooks, progress: bool, seconds):

@@ -26,6 +26,7 @@ def micro_overrides(workdir) -> list[str]:
         f"tracking.uri=sqlite:///{workdir / 'mlruns' / 'mlflow.db'}",
         f"tracking.artifact_root={workdir / 'mlruns' / 'artifacts'}",
         "threads=2",
+        "train.reuse=false",  # tests share this store: each trains what it tests (reuse has its own test)
     ]
 
 

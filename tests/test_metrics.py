@@ -21,7 +21,7 @@ from lab import metrics as keys
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = "## The metric contract"
 HEADER = "| key | builder | what |"
-NOT_KEYS = {"suite_variant"}  # builds a builder's `suite`, not a key
+NOT_KEYS = {"suite_variant", "is_training_curve"}  # a builder's `suite`, a predicate: not keys
 
 
 def builders() -> dict[str, object]:

@@ -141,3 +141,66 @@ def test_warm_caches_builds_what_the_runs_then_find(micro_overrides, micro_targe
     assert len([p for p in built if (p / "manifest.json").is_file()]) == 1
     warm_caches(cfg, progress=False)
     assert set(hidden.glob("*")) - before == built
+
+
+def _store(path: Path) -> list[str]:
+    """Overrides for an MLflow store of this test's own."""
+    return [f"tracking.uri=sqlite:///{path / 'mlflow.db'}", f"tracking.artifact_root={path / 'artifacts'}"]
+
+
+@pytest.mark.slow
+def test_a_drafter_trained_alike_is_reused_not_trained_again(micro_overrides, micro_target, tmp_path, capsys):
+    """A run of another study with the same training (different evaluation) takes the first run's drafter and
+    training curves instead of training: no cache or train stage, the same weights, tagged with where they
+    come from; train.reuse=false trains again."""
+    import tempfile
+
+    import torch
+
+    from lab import track
+    from lab.config import compose
+    from lab.drafter import load_checkpoint
+    from lab.pipeline import RunHooks, run
+
+    common = [*micro_overrides, *_store(tmp_path), "train.reuse=true", "train.steps=6", "eval.num_prompts=1"]
+    first = run(compose([*common, "study=reuse-a"]), progress=False)
+    stages: list[str] = []
+    hooks = RunHooks(on_stage=stages.append)
+    capsys.readouterr()
+    second = run(compose([*common, "study=reuse-b", "eval.num_speculative_tokens=[2]"]), progress=False, hooks=hooks)
+    assert f"training: the drafter of run {first.run_id} (train_key " in capsys.readouterr().out
+    assert "cache" not in stages and "train" not in stages and "drafter" in stages
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    a, b = track.get_run(uri, first.run_id), track.get_run(uri, second.run_id)
+    assert b.data.tags["train_key"] == a.data.tags["train_key"] and "trained_by_run" not in a.data.tags
+    assert b.data.tags["trained_by_run"] == first.run_id
+    assert "time/train_s" in a.data.metrics and "time/train_s" not in b.data.metrics
+    for key in ("train/loss", "train/acc_0", "train/lr"):
+        assert track.metric_curve(uri, second.run_id, key) == track.metric_curve(uri, first.run_id, key), key
+    with tempfile.TemporaryDirectory() as tmp:
+        wa = load_checkpoint(track.run_checkpoint(uri, first.run_id, Path(tmp) / "a")[0]).state_dict()
+        wb = load_checkpoint(track.run_checkpoint(uri, second.run_id, Path(tmp) / "b")[0]).state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert "eval/in_dist/ref/k2/al" in b.data.metrics
+
+    third = run(compose([*common, "study=reuse-b", "train.reuse=false"]), progress=False)
+    c = track.get_run(uri, third.run_id)
+    assert c.data.tags["train_key"] == a.data.tags["train_key"] and "trained_by_run" not in c.data.tags
+    assert "time/train_s" in c.data.metrics
+
+
+def test_drafter_key_covers_what_trains_and_nothing_else(micro_overrides, micro_target):
+    from lab.config import aux_layers, compose
+    from lab.train.resume import drafter_key
+
+    def key(*overrides: str, external: dict[str, str] | None = None) -> str:
+        cfg = compose([*micro_overrides, *overrides])
+        return drafter_key(cfg, micro_target.fingerprint, aux_layers(cfg), external or {})
+
+    base = key()
+    assert base == key()
+    for same in ("train.reuse=false", "train.log_every=3", "train.checkpoint_every=7", "eval.num_prompts=1", "study=x"):
+        assert key(same) == base, same
+    for other in ("seed=1", "train.steps=7", "drafter=eagle31", "data.seq_len=48"):
+        assert key(other) != base, other
+    assert key(external={"torchspec_commit": "abc"}) != base

@@ -14,7 +14,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +334,46 @@ def run_checkpoint(uri: str, run_id: str, dst: str | Path) -> tuple[Path, dict[s
             f"run '{run_id}': no checkpoint artifact (expected a run logged with tracking.log_checkpoint=true)"
         ) from None
     return Path(path), dict(run.data.tags)
+
+
+@dataclass
+class TrainedRun:
+    """A finished run that trained a drafter: its id, the run that trained it first (itself, unless it
+    reused one), its checkpoint downloaded, and its training curves (metric -> [(step, value)])."""
+
+    run_id: str
+    trained_by: str
+    checkpoint: Path
+    curves: dict[str, list[tuple[int, float]]]
+
+
+def trained_run(uri: str, train_key: str, dst: str | Path, is_curve: Callable[[str], bool]) -> TrainedRun | None:
+    """The earliest finished run of any experiment tagged `train_key` that logged a drafter checkpoint, the
+    checkpoint downloaded into `dst` and its metrics that `is_curve` picks read; None when none has."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        return None  # nothing recorded yet; reading must not create an empty store
+    configure(uri)
+    client = MlflowClient()
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"{_equals('tags.train_key', train_key)} and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time ASC"],
+    )
+    for run in runs:
+        run_id = run.info.run_id
+        try:
+            with _no_progress_bar():
+                path = client.download_artifacts(run_id, "checkpoint", str(dst))
+        except (OSError, mlflow.exceptions.MlflowException):
+            continue  # logged without its checkpoint (tracking.log_checkpoint=false)
+        curves = {
+            key: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+            for key in run.data.metrics
+            if is_curve(key)
+        }
+        return TrainedRun(run_id, run.data.tags.get("trained_by_run", run_id), Path(path), curves)
+    return None
 
 
 @contextlib.contextmanager

@@ -31,16 +31,18 @@ from lab.fsutil import mismatched_file, sha256_file, short_hash, staging_dir
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json")
 FORMAT = 1
-# keys that change how a run is watched, not the weights it trains
-_NOT_IN_KEY = ("checkpoint_every", "log_every")
+# keys that change how a run is watched or whether it trains, not the weights it trains
+_NOT_IN_KEY = ("checkpoint_every", "log_every", "reuse")
+# the code that turns a training's config into weights: lab/ paths, hashed into `drafter_key`
+TRAINING_CODE = ("train", "drafter", "schedule.py", "device.py")
 
 
-def checkpoint_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
-    """Where the resume checkpoint of this training lives."""
+def training_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> str:
+    """Everything in the config that determines the trained weights, hashed."""
     train = OmegaConf.to_container(cfg.train, resolve=True, enum_to_str=True)
     for k in _NOT_IN_KEY:
         train.pop(k, None)
-    key = short_hash(
+    return short_hash(
         {
             "format": FORMAT,
             "target": target_fingerprint,
@@ -51,7 +53,28 @@ def checkpoint_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[in
             "seed": cfg.seed,
         }
     )
-    return Path(cfg.cache_dir) / "checkpoints" / key
+
+
+def checkpoint_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
+    """Where the resume checkpoint of this training lives."""
+    return Path(cfg.cache_dir) / "checkpoints" / training_key(cfg, target_fingerprint, aux_layers)
+
+
+def drafter_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int], external: dict[str, str]) -> str:
+    """The identity of a trained drafter (a run's tag `train_key`): its training key, the training code,
+    torch's version and `external` (the versions of other code that trains, e.g. TorchSpec's). Two runs
+    with the same key train the same weights (bit for bit on the same thread count), so a finished one's
+    drafter stands for the other's (`train.reuse`); a change to the code that trains, even a comment,
+    gives new keys rather than a drafter trained by other code."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(
+        file
+        for name in TRAINING_CODE
+        for file in ((root / name).rglob("*.py") if (root / name).is_dir() else [root / name])
+    )
+    code = {str(f.relative_to(root)): sha256_file(f) for f in files}
+    training = training_key(cfg, target_fingerprint, aux_layers)
+    return short_hash({"training": training, "code": code, "torch": torch.__version__, "external": external})
 
 
 @dataclass
