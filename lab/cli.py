@@ -331,6 +331,41 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_paper(args: argparse.Namespace) -> int:
+    from lab.report import find_parent, paper
+    from lab.sweep import experiment
+
+    extra = list(args.overrides)
+    cfg = compose(extra)
+    uri = _reachable(cfg.tracking.uri)
+    studies: dict[str, tuple] = {}  # experiment -> (its study or None, how it was found)
+    for claim in paper.CLAIMS:
+        if claim.experiment in studies:
+            continue
+        exp = experiment.load(claim.experiment)
+        sweep = exp.as_sweep(extra)
+        try:
+            parent, note = find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
+        except ConfigError:  # no study of it in the store: the page says so
+            studies[claim.experiment] = (None, "")
+            continue
+        studies[claim.experiment] = (_study(exp, uri, parent), note)
+    validated("paper")
+    findings = [paper.measure(claim, *studies[claim.experiment]) for claim in paper.CLAIMS]
+    out = Path(args.out or Path("reports") / "paper.md")
+    said = [redact(o) for o in extra]
+    command = " ".join(["lab paper", *said, *(["--out", str(args.out)] if args.out else [])])
+    title = f"EAGLE 3.1's claims measured on {cfg.target.name}" + (f" ({' '.join(said)})" if said else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(paper.markdown(findings, title, command))
+    for f in findings:
+        head = f.headline()
+        said = f"{head[1].ratio:.3f} [{head[1].low:.3f}, {head[1].high:.3f}] ({head[0]})" if head else "-"
+        print(f"{f.claim.title}: {f.verdict()}; {said}")
+    print(f"page: {out}")
+    return 0
+
+
 def cmd_target_build(overrides: list[str]) -> int:
     cfg = compose(overrides)
     check_target(cfg)
@@ -877,6 +912,20 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
     rep.add_argument("--out", type=_path, help="output folder (default: reports/NAME)")
     rep.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
+    pap = sub.add_parser(
+        "paper",
+        help="the paper's claims beside the studies of a profile, from MLflow alone, into one Markdown page",
+        description="For each claim of the EAGLE 3.1 paper (AL on standard benchmarks, long context and "
+        "perturbed templates, extrapolation beyond the TTT depth, norm growth, attention on the sink and on the "
+        "drafter's own tokens): the ratio EAGLE 3.1 / EAGLE-3 from the study of the experiment that measures "
+        "it (run with the same overrides), with its 95 % paired bootstrap interval, the verdict its interval "
+        "gives (agrees, disagrees, inconclusive), the training budget behind it and the run ids. A study not "
+        "run yet is named as such. Nothing is rerun.",
+        epilog="examples:\n  lab paper profile=medium --out docs/results/paper.md\n  lab paper profile=quick",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    pap.add_argument("overrides", nargs="*", help="the overrides the studies ran with, e.g. profile=medium")
+    pap.add_argument("--out", type=_path, help="the page (default: reports/paper.md)")
     doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
     doctor.add_argument("overrides", nargs="*")
     doctor.add_argument(
@@ -948,6 +997,7 @@ def main(argv: list[str] | None = None) -> int:
         "ablate": lambda: cmd_ablate(args),
         "sweep": lambda: cmd_sweep(args),
         "report": lambda: cmd_report(args),
+        "paper": lambda: cmd_paper(args),
         "target": lambda: cmd_target_build(args.overrides),
         "export": lambda: cmd_export(args),
         "doctor": lambda: cmd_doctor(args.overrides, args.rekey),
