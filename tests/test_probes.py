@@ -9,7 +9,7 @@ from helpers import small_drafter
 from lab.config import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import Eagle3Drafter, init_drafter
-from lab.eval.probes import DriftProbes, fc_share, rollout_accuracy
+from lab.eval.probes import DriftProbes, chunked_argmax, fc_share, rollout_accuracy
 from lab.eval.reference import speculative_decode
 from lab.target import capture
 
@@ -99,3 +99,14 @@ def test_rollout_accuracy_beyond_training_depth(micro_cfg, micro_target, micro_s
     base = rollout_accuracy(untrained, heldout.input_ids, cap.aux, top, depth, heldout.loss_mask)
     assert len(accs) == depth and all(0.0 <= a <= 1.0 for a in accs)
     assert accs[0] > base[0] + 0.1
+
+
+def test_chunked_argmax_is_the_argmax_of_the_whole():
+    """The rollout's argmax over the vocabulary, a chunk of rows at a time (chunks that do not divide the rows
+    included), equals the argmax of the logits of all rows at once."""
+    gen = torch.Generator().manual_seed(0)
+    h, weight = torch.randn(3, 50, 16, generator=gen), torch.randn(97, 16, generator=gen)
+    whole = (h @ weight.T).argmax(-1)
+    for rows in (1, 7, 150, 1000):
+        assert torch.equal(chunked_argmax(h, lambda x: x @ weight.T, rows=rows), whole), rows
+    assert torch.equal(chunked_argmax(h[:, :13], lambda x: x @ weight.T, rows=8), whole[:, :13])  # a strided view

@@ -5,6 +5,7 @@ rollout accuracy far beyond the training depth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,15 @@ def pooled_rollout_accuracy(hits: torch.Tensor, counted: torch.Tensor) -> list[f
 
 
 @torch.no_grad()
+def chunked_argmax(h: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor], rows: int = 512) -> torch.Tensor:
+    """argmax over the vocabulary of logits(h) for states h [..., H] -> [...], a chunk of rows at a time: the
+    logits of a whole batch of held-out conversations never exist at once (64 x 512 positions over SmolLM2's
+    49,152 tokens are 6.4 GB in float32; two workers' at once exhausted a 24 GB machine)."""
+    flat = h.reshape(-1, h.shape[-1])
+    top = torch.cat([logits(flat[a : a + rows]).argmax(-1) for a in range(0, flat.shape[0], rows)])
+    return top.view(h.shape[:-1])
+
+
 def rollout_counts(
     drafter: Eagle3Drafter,
     input_ids: torch.Tensor,
@@ -124,7 +134,7 @@ def rollout_counts(
     hits, weights = [], []
     for i, h_out in enumerate(outs):
         n = t - 1 - i
-        pred = drafter.to_target_ids(drafter.logits(h_out[:, :n]).argmax(-1))
+        pred = drafter.to_target_ids(chunked_argmax(h_out[:, :n], drafter.logits))
         weight = counted[:, i + 1 : i + 1 + n]
         agree = (pred == target_top[:, i + 1 : i + 1 + n]).float()
         hits.append((agree * weight).sum(1))  # whole numbers: their sums are exact in float32

@@ -20,7 +20,7 @@ from lab.data.suites import Suite
 from lab.data.text import Sequences
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
-from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
+from lab.eval.probes import DriftProbes, chunked_argmax, fc_share, pooled_rollout_accuracy, rollout_counts
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
 from lab.target import capture, target_logits
 
@@ -185,7 +185,7 @@ def heldout_evaluation(
     device, dtype = target.lm_head_weight.device, target.lm_head_weight.dtype
     input_ids, loss_mask = heldout.input_ids.to(device), heldout.loss_mask.to(device)
     cap = capture(target.model, input_ids, drafter.spec.aux_layer_ids)
-    top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
+    top = chunked_argmax(cap.final, lambda h: target_logits(h, target.lm_head_weight))
     with autocast(device, dtype):  # the drafter in the target's dtype, as the reference decoder runs it
         hits, counted = rollout_counts(drafter, input_ids, cap.aux, top, depth, loss_mask)
     key = keys.rollout_accuracy(suite)
