@@ -102,7 +102,6 @@ def pooled_rollout_accuracy(hits: torch.Tensor, counted: torch.Tensor) -> list[f
     return (hits.sum(1) / counted.sum(1).clamp_min(1.0)).tolist()
 
 
-@torch.no_grad()
 def chunked_argmax(h: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor], rows: int = 512) -> torch.Tensor:
     """argmax over the vocabulary of logits(h) for states h [..., H] -> [...], a chunk of rows at a time: the
     logits of a whole batch of held-out conversations never exist at once (64 x 512 positions over SmolLM2's
@@ -112,6 +111,7 @@ def chunked_argmax(h: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tenso
     return top.view(h.shape[:-1])
 
 
+@torch.no_grad()
 def rollout_counts(
     drafter: Eagle3Drafter,
     input_ids: torch.Tensor,
