@@ -359,9 +359,7 @@ def cmd_paper(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(paper.markdown(findings, title, command))
     for f in findings:
-        head = f.headline()
-        said = f"{head[1].ratio:.3f} [{head[1].low:.3f}, {head[1].high:.3f}] ({head[0]})" if head else "-"
-        print(f"{f.claim.title}: {f.verdict()}; {said}")
+        print(f"{f.claim.title}: {f.verdict()}; {f.said()}")
     print(f"page: {out}")
     return 0
 

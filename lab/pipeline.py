@@ -98,7 +98,7 @@ class Prepared:
 
     target: Target
     source: tuple[CheckpointInfo, Eagle3Drafter] | None
-    train_key: str | None  # the trained drafter's identity (None when one is imported)
+    train_tags: dict[str, str]  # a trained drafter's identity: `train_key` and the code behind it (none imported)
     reused: tuple[track.TrainedRun, Eagle3Drafter] | None  # the drafter of a finished run that trained alike
     logged: DictConfig  # the config as logged (a loaded drafter's own shape)
     layers: list[int]
@@ -128,14 +128,14 @@ def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None], reus
     else:
         logged = cfg
         layers = aux_layers(cfg)
-    train_key, reused = None, None
+    train_tags, reused = {}, None
     if source is None:
         external = torchspec_backend.provenance() if cfg.train.backend == "torchspec" else {}
-        train_key = resume.drafter_key(cfg, target.fingerprint, layers, external)
+        train_tags = {"train_key": resume.drafter_key(cfg, target.fingerprint, layers, external), **external}
         if reuse and cfg.train.reuse:
             t0 = time.time()
             stage("drafter")
-            reused = _trained_alike(cfg, target, train_key, layers)
+            reused = _trained_alike(cfg, target, train_tags["train_key"], layers)
             seconds["drafter"] = time.time() - t0
     t0 = time.time()
     stage("data")
@@ -151,7 +151,7 @@ def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None], reus
     stage("suites")
     suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
     seconds["suites"] = time.time() - t0
-    return Prepared(target, source, train_key, reused, logged, layers, heldout, data_stats, hidden, suites, seconds)
+    return Prepared(target, source, train_tags, reused, logged, layers, heldout, data_stats, hidden, suites, seconds)
 
 
 def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
@@ -192,10 +192,7 @@ def run(
     }
     if source is not None:
         tags.update({"drafter_source": str(source[0].path.resolve()), "drafter_format": source[0].format})
-    else:
-        tags["train_key"] = prepared.train_key
-        if cfg.train.backend == "torchspec":
-            tags.update(torchspec_backend.provenance())
+    tags.update(prepared.train_tags)
     reused = prepared.reused
     if reused is not None:
         tags["trained_by_run"] = reused[0].trained_by
@@ -329,9 +326,11 @@ def _trained_alike(cfg: DictConfig, target, train_key: str, layers: list[int]):
 def _replay_training(mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
     """Log the training curves of the run whose drafter this run reuses, step by step, as training would
     (a sweep's pruner hears them too)."""
-    steps = sorted({step for curve in trained.curves.values() for step, _ in curve})
-    for step in steps:
-        metrics = {key: value for key, curve in trained.curves.items() for s, value in curve if s == step}
+    by_step: dict[int, dict[str, float]] = {}
+    for key, curve in trained.curves.items():
+        for step, value in curve:
+            by_step.setdefault(step, {})[key] = value
+    for step, metrics in sorted(by_step.items()):
         mlrun.log_metrics(metrics, step)
         hooks.on_train_metrics(metrics, step)
 

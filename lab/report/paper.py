@@ -203,10 +203,9 @@ class Finding:
     note: str = ""  # how the study was found, when not by its exact overrides
 
     def side(self, iv: paired.Interval) -> str:
-        low, high = round(iv.low, DIGITS), round(iv.high, DIGITS)
-        if low > 1 or high < 1:
-            return "agrees" if (low > 1) == self.claim.above else "disagrees"
-        return "inconclusive"
+        if not iv.excludes_one(DIGITS):
+            return "inconclusive"
+        return "agrees" if (iv.low > 1) == self.claim.above else "disagrees"
 
     @property
     def measured(self) -> list[tuple[str, paired.Interval]]:
@@ -225,6 +224,11 @@ class Finding:
         """The row furthest on the paper's side of 1, the first of equals (the paper reports its best case too)."""
         sign = 1 if self.claim.above else -1
         return max(self.measured, key=lambda row: sign * row[1].ratio, default=None)
+
+    def said(self) -> str:
+        """The headline row as the summary prints it: ratio [interval] (row), or '-'."""
+        head = self.headline()
+        return f"{_interval(head[1])} ({head[0]})" if head else "-"
 
 
 def measure(claim: Claim, study: Study | None, note: str = "") -> Finding:
@@ -299,9 +303,7 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
         "|---|---|---|---|",
     ]
     for f in findings:
-        head = f.headline()
-        said = f"{_interval(head[1])} ({head[0]})" if head else "-"
-        lines.append(f"| {f.claim.title} | {f.claim.paper} | {said} | {f.verdict()} |")
+        lines.append(f"| {f.claim.title} | {f.claim.paper} | {f.said()} | {f.verdict()} |")
     for f in findings:
         c = f.claim
         lines += ["", f"## {c.title}", "", f"The paper: {c.paper}. Measured on `{c.experiment}`"]
@@ -327,17 +329,13 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
             lines += ["", f"No finished runs of both `{c.arm}` and `{c.baseline}` yet."]
         lines += ["", f"Verdict: **{f.verdict()}**."]
     lines += ["", "## The studies"]
-    used: dict[str, list[str]] = {}  # experiment -> the arms its claims compare
+    studies: dict[str, tuple[Study, list[str]]] = {}  # experiment -> its study and the arms its claims compare
     for f in findings:
         if f.study is not None:
-            used.setdefault(f.claim.experiment, [])
-            used[f.claim.experiment] += [
-                a for a in (f.claim.arm, f.claim.baseline) if a not in used[f.claim.experiment]
-            ]
-    studies = {f.claim.experiment: f.study for f in findings if f.study is not None}
-    for name, arms in used.items():
-        study = studies[name]
+            _, arms = studies.setdefault(f.claim.experiment, (f.study, []))
+            arms += [a for a in (f.claim.arm, f.claim.baseline) if a not in arms]
+    for name, (study, arms) in studies.items():
         lines += ["", f"`{name}`: {_budget(study, arms)}. Runs: {_runs(study, arms)}."]
-    if not used:
+    if not studies:
         lines += ["", "None in the store yet."]
     return "\n".join(lines) + "\n"
