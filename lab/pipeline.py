@@ -39,7 +39,7 @@ from lab.config import (
     flatten,
     rollout_depth,
 )
-from lab.data.cache import build_or_load
+from lab.data.cache import HeldoutStates, build_or_load, heldout_states
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
 from lab.data.regenerate import regenerate
@@ -103,6 +103,7 @@ class Prepared:
     logged: DictConfig  # the config as logged (a loaded drafter's own shape)
     layers: list[int]
     heldout: Any  # held-out sequences, for the rollout
+    rollout_states: HeldoutStates  # the target's side of the rollout on them, cached
     data_stats: dict[str, float]
     hidden: Any  # the hidden-state cache; None when a drafter is loaded
     suites: list
@@ -148,10 +149,16 @@ def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None], reus
         hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
         seconds["cache"] = time.time() - t0
     t0 = time.time()
+    stage("heldout")
+    rollout_states = heldout_states(target, heldout, layers, cfg.cache_dir)
+    seconds["heldout"] = time.time() - t0
+    t0 = time.time()
     stage("suites")
     suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
     seconds["suites"] = time.time() - t0
-    return Prepared(target, source, train_tags, reused, logged, layers, heldout, data_stats, hidden, suites, seconds)
+    return Prepared(
+        target, source, train_tags, reused, logged, layers, heldout, rollout_states, data_stats, hidden, suites, seconds
+    )
 
 
 def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
@@ -267,7 +274,9 @@ def run(
             stage("eval vllm")
             metrics.update(_evaluate_vllm(cfg, mlrun, target, drafter, suites, progress))
         stage("rollout")
-        rollout = heldout_evaluation(target, drafter, prepared.heldout, rollout_depth(cfg), seed=cfg.seed)
+        rollout = heldout_evaluation(
+            target, drafter, prepared.heldout, rollout_depth(cfg), seed=cfg.seed, states=prepared.rollout_states
+        )
         final = dict(rollout.metrics)
         seconds["eval"] = time.time() - t0
         final.update({keys.stage_seconds(k): v for k, v in seconds.items()})

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from lab.config import aux_layers
-from lab.data.cache import MANIFEST, STORE_DTYPE, _verify, build_or_load
+from lab.data.cache import MANIFEST, STORE_DTYPE, _verify, build_or_load, heldout_states
 from lab.target.build import BUILD_INFO
 
 
@@ -73,6 +73,40 @@ def test_corrupted_shard_is_detected_and_rebuilt(micro_cfg, micro_target, micro_
     again = build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path, progress=False)
     assert not again.stats["hit"]  # rebuilt, not silently used
     assert torch.equal(again.aux, first.aux)
+
+
+def test_heldout_states_are_captured_once_and_give_the_rollout_of_a_fresh_capture(
+    micro_cfg, micro_target, micro_sequences, trained_eagle31, tmp_path, capsys
+):
+    """The rollout reads the target's side from the cache exactly as from its own capture, and a second run
+    does no target forward; a corrupted entry is captured again, other held-out ids get their own entry."""
+    from lab.eval.run import heldout_evaluation
+
+    drafter = trained_eagle31[0]
+    heldout = micro_sequences[1]
+    layers = list(drafter.spec.aux_layer_ids)
+    calls, handle = _count_forwards(micro_target.model)
+    try:
+        first = heldout_states(micro_target, heldout, layers, tmp_path, batch_size=4)
+        assert not first.hit and len(calls) == -(-len(heldout.input_ids) // 4)
+        calls.clear()
+        second = heldout_states(micro_target, heldout, layers, tmp_path)
+        assert second.hit and calls == []
+    finally:
+        handle.remove()
+    assert second.aux.dtype == micro_target.lm_head_weight.dtype and second.top.shape == heldout.input_ids.shape
+    fresh = heldout_evaluation(micro_target, drafter, heldout, depth=4)
+    cached = heldout_evaluation(micro_target, drafter, heldout, depth=4, states=second)
+    assert cached.metrics == fresh.metrics and cached.per_prompt == fresh.per_prompt
+
+    aux, top = first.aux.clone(), first.top.clone()  # the loaded tensors map the file truncated below
+    states = second.path / "states.safetensors"
+    states.write_bytes(states.read_bytes()[:1000])
+    again = heldout_states(micro_target, heldout, layers, tmp_path)
+    assert not again.hit and torch.equal(again.aux, aux) and torch.equal(again.top, top)
+    assert f"cache entry {states} is missing or does not match its manifest hash" in capsys.readouterr().out
+    other = heldout_states(micro_target, type(heldout)(heldout.input_ids[:2], heldout.loss_mask[:2]), layers, tmp_path)
+    assert other.path != again.path and torch.equal(other.top, top[:2])
 
 
 def test_interrupted_build_resumes_from_its_finished_shards(

@@ -136,7 +136,7 @@ def test_warm_caches_builds_what_the_runs_then_find(micro_overrides, micro_targe
     cfg = compose([*micro_overrides, "data.num_sequences=24"])  # a selection no other test caches
     hidden = Path(cfg.cache_dir) / "hidden"
     before = set(hidden.glob("*"))
-    assert set(warm_caches(cfg, progress=False)) == {"target", "data", "cache", "suites"}
+    assert set(warm_caches(cfg, progress=False)) == {"target", "data", "cache", "heldout", "suites"}
     built = set(hidden.glob("*")) - before
     assert len([p for p in built if (p / "manifest.json").is_file()]) == 1
     warm_caches(cfg, progress=False)

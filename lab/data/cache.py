@@ -6,10 +6,16 @@ Layout: `{cache_dir}/hidden/{key}/shard_00000.safetensors ... manifest.json`. Ea
 manifest records each shard's sha256, checked on every load (a corrupted or truncated shard triggers
 a rebuild, never silent use). A build writes its shards into `{key}.partial/` first, so an interrupted
 build resumes from the shards it finished.
+
+The held-out rollout's side of the target (`heldout_states`) is cached beside it, once per target, held-out
+set and captured layers: `{cache_dir}/heldout/{key}/states.safetensors` (`input_ids` int32, `aux` in the
+target's dtype, `top` the target's argmax, int32) with its manifest. Every run of a study evaluates its
+drafter on the same held-out conversations; their target forward and lm_head cost as much as the rollout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,13 +31,14 @@ from tqdm.auto import tqdm
 
 from lab.data.text import Sequences
 from lab.fsutil import atomic_file, file_lock, mismatched_file, read_manifest, sha256_file, short_hash, staging_dir
-from lab.target import Target, capture
+from lab.target import Target, capture, chunked_argmax, target_logits
 from lab.target.capture import Captured
 
 MANIFEST = "manifest.json"
 SHARD_SEQUENCES = 256
 STORE_DTYPE = torch.bfloat16
 FORMAT = 2
+HELDOUT_FORMAT = 1
 
 
 @dataclass
@@ -59,7 +66,7 @@ def _verify(path: Path) -> dict | None:
         return None
     bad = mismatched_file(path, {shard["file"]: shard["sha256"] for shard in manifest["shards"]})
     if bad is not None:
-        print(f"hidden-state cache: {path / bad} is missing or does not match its manifest hash; rebuilding")
+        print(f"cache entry {path / bad} is missing or does not match its manifest hash; rebuilding it")
         return None
     return manifest
 
@@ -178,3 +185,76 @@ def _finished_shard(file: Path, chunk: torch.Tensor) -> bool:
             return torch.equal(f.get_tensor("input_ids").long(), chunk.long())
     except (SafetensorError, OSError):
         return False
+
+
+@dataclass
+class HeldoutStates:
+    """The target's side of the held-out rollout, for sequences [N, T]: its captured layers `aux`
+    [N, T, A*H] in the target's own dtype (the rollout reads what a fresh capture would give) and its
+    argmax `top` [N, T] at each position."""
+
+    aux: torch.Tensor
+    top: torch.Tensor
+    path: Path
+    hit: bool
+
+
+def heldout_states(
+    target: Target, heldout: Sequences, aux_layers: list[int], cache_dir: str | Path, batch_size: int = 16
+) -> HeldoutStates:
+    """The held-out sequences' captured states and target argmax, from the cache or captured once (under a
+    lock, published whole; an entry whose file no longer matches its manifest hash is captured again)."""
+    dtype = target.lm_head_weight.dtype
+    ids = heldout.input_ids
+    key = short_hash(
+        {
+            "target": target.fingerprint,
+            "dtype": str(dtype),
+            "ids": hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest(),
+            "shape": list(ids.shape),
+            "aux": list(aux_layers),
+            "format": HELDOUT_FORMAT,
+        }
+    )
+    path = Path(cache_dir) / "heldout" / key
+    manifest = _verify(path)
+    hit = manifest is not None
+    if not hit:
+        with file_lock(path.with_suffix(".lock")):
+            manifest = _verify(path)
+            hit = manifest is not None
+            if not hit:
+                _capture_heldout(target, ids, aux_layers, path, key, batch_size)
+    stored = load_file(str(path / "states.safetensors"))
+    if not torch.equal(stored["input_ids"].long(), ids):
+        raise RuntimeError(f"held-out cache {path}: stored tokens differ from the held-out sequences")
+    return HeldoutStates(stored["aux"], stored["top"].long(), path, hit)
+
+
+@torch.no_grad()
+def capture_heldout(
+    target: Target, ids: torch.Tensor, aux_layers: list[int], batch_size: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's captured layers [N, T, A*H] and argmax [N, T] over sequences `ids` [N, T], on its device."""
+    aux, top = [], []
+    for batch in ids.to(target.lm_head_weight.device).split(batch_size):
+        out = capture(target.model, batch, aux_layers)
+        aux.append(out.aux)
+        top.append(chunked_argmax(out.final, lambda h: target_logits(h, target.lm_head_weight)))
+    return torch.cat(aux), torch.cat(top)
+
+
+def _capture_heldout(target: Target, ids: torch.Tensor, aux_layers: list[int], path: Path, key: str, batch_size: int):
+    aux, top = capture_heldout(target, ids, aux_layers, batch_size)
+    tensors = {"input_ids": ids.to(torch.int32).contiguous(), "aux": aux.cpu(), "top": top.to(torch.int32).cpu()}
+    with staging_dir(path) as tmp:
+        save_file(tensors, str(tmp / "states.safetensors"))
+        manifest = {
+            "key": key,
+            "format": HELDOUT_FORMAT,
+            "target": target.fingerprint,
+            "aux_layers": list(aux_layers),
+            "num_sequences": int(ids.shape[0]),
+            "shards": [{"file": "states.safetensors", "sha256": sha256_file(tmp / "states.safetensors")}],
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

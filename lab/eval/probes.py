@@ -5,13 +5,13 @@ rollout accuracy far beyond the training depth.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from lab.drafter import Eagle3Drafter
+from lab.target import chunked_argmax
 
 
 @dataclass
@@ -100,15 +100,6 @@ def pooled_rollout_accuracy(hits: torch.Tensor, counted: torch.Tensor) -> list[f
     """Accuracy per depth from `rollout_counts`' per-sequence sums [depth, B]: hits / counted pooled over
     the sequences (a depth with nothing counted is 0)."""
     return (hits.sum(1) / counted.sum(1).clamp_min(1.0)).tolist()
-
-
-def chunked_argmax(h: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor], rows: int = 512) -> torch.Tensor:
-    """argmax over the vocabulary of logits(h) for states h [..., H] -> [...], a chunk of rows at a time: the
-    logits of a whole batch of held-out conversations never exist at once (64 x 512 positions over SmolLM2's
-    49,152 tokens are 6.4 GB in float32; two workers' at once exhausted a 24 GB machine)."""
-    flat = h.reshape(-1, h.shape[-1])
-    top = torch.cat([logits(flat[a : a + rows]).argmax(-1) for a in range(0, flat.shape[0], rows)])
-    return top.view(h.shape[:-1])
 
 
 @torch.no_grad()

@@ -16,13 +16,13 @@ import torch
 from tqdm.auto import tqdm
 
 from lab import metrics as keys
+from lab.data.cache import HeldoutStates, capture_heldout
 from lab.data.suites import Suite
 from lab.data.text import Sequences
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
-from lab.eval.probes import DriftProbes, chunked_argmax, fc_share, pooled_rollout_accuracy, rollout_counts
+from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
-from lab.target import capture, target_logits
 
 Metrics = dict[str, float | list[float]]
 PER_PROMPT_FORMAT = 1  # the version of the per_prompt/*.json artifacts (docs/design.md)
@@ -178,18 +178,28 @@ def heldout_metrics(target, drafter: Eagle3Drafter, heldout: Sequences, depth: i
 
 @torch.no_grad()
 def heldout_evaluation(
-    target, drafter: Eagle3Drafter, heldout: Sequences, depth: int, suite: str = "in_dist", seed: int = 0
+    target,
+    drafter: Eagle3Drafter,
+    heldout: Sequences,
+    depth: int,
+    suite: str = "in_dist",
+    seed: int = 0,
+    states: HeldoutStates | None = None,
 ) -> Evaluation:
     """`heldout_metrics` and, per held-out sequence, the rollout's hits and counted positions per depth
-    (`per_prompt/rollout.json`): sum(hits) / sum(counted) over the sequences is the logged accuracy."""
+    (`per_prompt/rollout.json`): sum(hits) / sum(counted) over the sequences is the logged accuracy. The
+    target's side (its captured layers and argmax) comes from `states` (the cache stage's
+    `heldout_states`) or, without them, from a capture here."""
     device, dtype = target.lm_head_weight.device, target.lm_head_weight.dtype
     input_ids, loss_mask = heldout.input_ids.to(device), heldout.loss_mask.to(device)
-    cap = capture(target.model, input_ids, drafter.spec.aux_layer_ids)
-    top = chunked_argmax(cap.final, lambda h: target_logits(h, target.lm_head_weight))
+    if states is None:
+        aux, top = capture_heldout(target, heldout.input_ids, drafter.spec.aux_layer_ids)
+    else:
+        aux, top = states.aux.to(device), states.top.to(device)
     with autocast(device, dtype):  # the drafter in the target's dtype, as the reference decoder runs it
-        hits, counted = rollout_counts(drafter, input_ids, cap.aux, top, depth, loss_mask)
+        hits, counted = rollout_counts(drafter, input_ids, aux, top, depth, loss_mask)
     key = keys.rollout_accuracy(suite)
-    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), keys.fc_share(): fc_share(drafter, cap.aux)}
+    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), keys.fc_share(): fc_share(drafter, aux)}
     sequences = [
         {"index": i, "id": prompt_id(ids), "hits": h, "counted": c}
         for i, (ids, h, c) in enumerate(
