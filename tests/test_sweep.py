@@ -208,12 +208,36 @@ def test_bad_points_and_objectives_fail_before_any_run(tmp_path, micro_overrides
 
 def test_study_identity_ignores_budget_and_placement():
     sweep = spec.load("tpe_eagle3")
-    key = sweep.key(["target=micro"])
-    assert sweep.key(["target=micro", "threads=1", "tracking.uri=sqlite:///x.db"]) == key
-    assert sweep.key(["target=micro", "train.steps=9"]) != key
+    key = sweep.key(["profile=micro"])
+    assert sweep.key(["profile=micro", "threads=1", "tracking.uri=sqlite:///x.db"]) == key
+    assert sweep.key(["profile=micro", "train.steps=9"]) != key
     sweep.trials = 99
-    assert sweep.key(["target=micro"]) == key
+    assert sweep.key(["profile=micro"]) == key
     assert redact("postgresql://me:secret@db:5432/optuna") == "postgresql://me:***@db:5432/optuna"
+
+
+def test_an_edited_profile_makes_another_study(tmp_path, monkeypatch):
+    """The same overrides name the profile, but it now trains otherwise: the study's runs must not mix."""
+    import shutil
+
+    from lab import config
+    from lab.sweep import experiment
+
+    configs = tmp_path / "configs"
+    shutil.copytree(config.CONFIG_DIR, configs)
+    monkeypatch.setattr(config, "CONFIG_DIR", configs)
+    extra = ["profile=micro"]
+    sweep = experiment.load("drift_2x2").as_sweep(extra)
+    key = sweep.key(extra)
+    assert sweep.key(extra) == key
+    profile = configs / "profile" / "micro.yaml"
+    profile.write_text(profile.read_text() + "train:\n  steps: 7\n")
+    assert sweep.key(extra) != key
+    drafter = configs / "drafter" / "eagle31.yaml"  # one arm's config group
+    profile.write_text(profile.read_text().replace("train:\n  steps: 7\n", ""))
+    assert sweep.key(extra) == key
+    drafter.write_text(drafter.read_text() + "num_layers: 2\n")
+    assert sweep.key(extra) != key
 
 
 # ------------------------------------------------------------------------------- real sweeps (micro target)

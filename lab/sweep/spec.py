@@ -31,7 +31,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab import metrics as keys
-from lab.config import ConfigError, compose
+from lab.config import ConfigError, compose, config_hash
 from lab.fsutil import short_hash
 from lab.preflight import check_checkpoint, check_target
 from lab.sweep import specfile
@@ -162,12 +162,23 @@ class Sweep:
         """The first value of every parameter (a grid's first point)."""
         return {p.name: p.probes()[0] for p in self.space}
 
+    def probes(self) -> list[dict[str, Any]]:
+        """The points that stand for the space: a grid's every point, else the base point and each
+        parameter's other probe values (a range's ends) one at a time."""
+        if self.is_grid:
+            return self.points()
+        base = self.base_point()
+        return [base] + [{**base, p.name: v} for p in self.space for v in p.probes()[1:]]
+
     def key(self, extra: list[str]) -> str:
-        """Identity of the study: the spec without its budget, and the user's overrides that change results."""
+        """Identity of the study: the spec without its budget, the user's overrides that change results, and
+        what the points compute (their `config_hash`, composed): an edited profile, config group or schema
+        default makes another study, whose runs are never mixed with the earlier ones."""
         spec = asdict(self)
         for k in ("trials", "description", "max_retry", "heartbeat_s", "grace_s", "source"):
             spec.pop(k)
-        return short_hash({"spec": spec, "extra": changing_results(extra)}, 8)
+        configs = sorted({config_hash(compose(self.trial_overrides(p, self.seeds[0], extra))) for p in self.probes()})
+        return short_hash({"spec": spec, "extra": changing_results(extra), "configs": configs}, 8)
 
     def study_name(self, extra: list[str]) -> str:
         return f"{self.name}-{self.key(extra)}"
@@ -182,14 +193,8 @@ class Sweep:
             key = o.split("=", 1)[0].lstrip("+~")
             if key in swept:
                 raise ConfigError(key, f"swept by {self.source}; drop the override or the parameter")
-        base = self.base_point()
-        probes = (
-            self.points()
-            if self.is_grid
-            else [base] + [{**base, p.name: v} for p in self.space for v in p.probes()[1:]]
-        )
         first = None
-        for params in probes:
+        for params in self.probes():
             try:
                 cfg = compose(self.trial_overrides(params, self.seeds[0], extra))
                 check_target(cfg)
