@@ -15,11 +15,13 @@ drafter on the same held-out conversations; their target forward and lm_head cos
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +73,16 @@ def _verify(path: Path) -> dict | None:
     return manifest
 
 
+def _verified_or_built(path: Path, build: Callable[[], dict]) -> tuple[dict, bool]:
+    """The entry's manifest and whether it was there (verified), else `build()`'s, built under the entry's lock."""
+    manifest = _verify(path)
+    if manifest is not None:
+        return manifest, True
+    with file_lock(path.with_suffix(".lock")):
+        manifest = _verify(path)  # another process may have built it while we waited
+        return (manifest, True) if manifest is not None else (build(), False)
+
+
 def _read(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
     parts = [load_file(str(path / s["file"])) for s in manifest["shards"]]
     return {name: torch.cat([p[name] for p in parts]) for name in ("input_ids", "loss_mask", "aux", "final")}
@@ -89,14 +101,9 @@ def build_or_load(
     key = cache_key(target, dcfg, aux_layers)
     path = Path(cache_dir) / "hidden" / key
     started = time.time()
-    manifest = _verify(path)
-    hit = manifest is not None
-    if not hit:
-        with file_lock(path.with_suffix(".lock")):
-            manifest = _verify(path)  # another process may have built it while we waited
-            hit = manifest is not None
-            if not hit:
-                manifest = _build(target, sequences, aux_layers, path, key, batch_size, progress)
+    manifest, hit = _verified_or_built(
+        path, functools.partial(_build, target, sequences, aux_layers, path, key, batch_size, progress)
+    )
     stored = _read(path, manifest)
     ids = stored["input_ids"].long()
     if not torch.equal(ids, sequences.input_ids) or not torch.equal(stored["loss_mask"], sequences.loss_mask):
@@ -217,14 +224,9 @@ def heldout_states(
         }
     )
     path = Path(cache_dir) / "heldout" / key
-    manifest = _verify(path)
-    hit = manifest is not None
-    if not hit:
-        with file_lock(path.with_suffix(".lock")):
-            manifest = _verify(path)
-            hit = manifest is not None
-            if not hit:
-                _capture_heldout(target, ids, aux_layers, path, key, batch_size)
+    _, hit = _verified_or_built(
+        path, functools.partial(_capture_heldout, target, ids, aux_layers, path, key, batch_size)
+    )
     stored = load_file(str(path / "states.safetensors"))
     if not torch.equal(stored["input_ids"].long(), ids):
         raise RuntimeError(f"held-out cache {path}: stored tokens differ from the held-out sequences")
@@ -244,7 +246,9 @@ def capture_heldout(
     return torch.cat(aux), torch.cat(top)
 
 
-def _capture_heldout(target: Target, ids: torch.Tensor, aux_layers: list[int], path: Path, key: str, batch_size: int):
+def _capture_heldout(
+    target: Target, ids: torch.Tensor, aux_layers: list[int], path: Path, key: str, batch_size: int
+) -> dict:
     aux, top = capture_heldout(target, ids, aux_layers, batch_size)
     tensors = {"input_ids": ids.to(torch.int32).contiguous(), "aux": aux.cpu(), "top": top.to(torch.int32).cpu()}
     with staging_dir(path) as tmp:
@@ -258,3 +262,4 @@ def _capture_heldout(target: Target, ids: torch.Tensor, aux_layers: list[int], p
             "shards": [{"file": "states.safetensors", "sha256": sha256_file(tmp / "states.safetensors")}],
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
