@@ -66,7 +66,8 @@ def _provenance(study: Study, command: str) -> list[str]:
         f" (study `{p.data.tags.get('optuna_study', '?')}`); {len(study.runs)} finished runs used of {len(runs)}.",
         f"- Code: git commit {', '.join(f'`{c}`' for c in commits) or '?'}.",
         f"- Target: `{target}` ({', '.join(f'`{t}`' for t in target_build) or 'no build tag'}; "
-        f"validation loss {', '.join(val) or '?'}).",
+        # a pretrained (converted) target is not trained here, so no run measured its validation loss
+        + (f"validation loss {', '.join(val)})." if val else "pretrained, no validation loss here)."),
         f"- Config hashes: {len(hashes)} distinct over {len(study.runs)} runs (one per arm and seed; listed below).",
         _computed_on(study.runs),
         f"- Suites {', '.join(study.suites)}; k in {study.ks}; seeds {study.seeds}; backend `{study.backend}`"
