@@ -256,9 +256,10 @@ def _budget(study: Study, arm_names: list[str]) -> str:
     parts = []
     params = study.runs[0].data.params if study.runs else {}
     if params:
+        batch = params.get("train.batch_size", "?")
         parts.append(
             f"target {params.get('target.name', '?')}, {params.get('data.num_sequences', '?')} training "
-            f"conversations, {params.get('train.steps', '?')} steps of {params.get('train.batch_size', '?')} sequences"
+            f"conversations, {params.get('train.steps', '?')} steps of {batch} sequence{'' if batch == '1' else 's'}"
         )
     acc = keys.train_step_acc(0)
     for arm in study.arms:
