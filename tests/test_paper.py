@@ -169,7 +169,16 @@ def test_the_page_gives_each_claim_the_verdict_its_intervals_say(store, tmp_path
         runs = track.search_runs(store[0].split("=", 1)[1], name)
         assert len(runs) == 7 and all(f"`{r.info.run_id}`" in page for r in runs)  # the parent and every child
     assert "EAGLE-3: top-1 agreement 0.40 on its last training batches, AL 1.80 at k=3 on mtbench" in page
-    assert page.count("parent run `") == 3  # each study's budget and runs once, at the end
+    studies = page.split("## The studies")[1]
+    assert studies.count("parent run `") == 3  # each study's budget and runs once, at the end
+    # a claim that does not agree names, beside its verdict, the budget and the runs behind it; one that agrees does not
+    own_tokens = page.split("## Attention on the drafter's own tokens")[1].split("\n## ")[0]
+    said = "Verdict: **disagrees**. Before this counts against the paper, weigh the budget behind it: target "
+    assert said in own_tokens
+    assert "2048 training conversations, 40 steps of 8 sequences" in own_tokens
+    drift_runs = track.search_runs(store[0].split("=", 1)[1], "drift_2x2")
+    assert sum(f"`{r.info.run_id}`" in own_tokens for r in drift_runs) == 7
+    assert "Before this counts" not in page.split("## Norm growth along the chain")[1].split("\n## ")[0]
     assert "2048 training conversations, 40 steps of 8 sequences" in page
     again = _page(store, tmp_path / "first" / "paper.md", capsys)
     assert again == page  # seeded bootstrap: the same page on a rerun

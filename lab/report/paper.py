@@ -329,6 +329,12 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
         else:
             lines += ["", f"No finished runs of both `{c.arm}` and `{c.baseline}` yet."]
         lines += ["", f"Verdict: **{f.verdict()}**."]
+        if f.verdict() not in ("agrees", "not measured"):
+            lines[-1] += (
+                f" Before this counts against the paper, weigh the budget behind it: "
+                f"{_budget(study, [c.arm, c.baseline])}; the paper's drafters train on far more data, for longer, "
+                f"against larger targets. Runs: {_runs(study, [c.arm, c.baseline])}."
+            )
     lines += ["", "## The studies"]
     studies: dict[str, tuple[Study, list[str]]] = {}  # experiment -> its study and the arms its claims compare
     for f in findings:
