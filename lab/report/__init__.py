@@ -57,6 +57,8 @@ def _provenance(study: Study, command: str) -> list[str]:
     hashes = sorted({r.data.tags.get("config_hash", "?") for r in study.runs})
     val_loss = keys.target_val_loss()
     val = sorted({f"{r.data.metrics[val_loss]:.3f}" for r in study.runs if val_loss in r.data.metrics})
+    # a pretrained (converted) target is not trained here, so no run measured its validation loss
+    loss = f"validation loss {', '.join(val)}" if val else "pretrained, no validation loss here"
     target = study.param("target.name") or "?"
     target_build = sorted({r.data.tags.get("target", "") for r in study.runs} - {""})
     p = study.parent
@@ -65,9 +67,7 @@ def _provenance(study: Study, command: str) -> list[str]:
         f"- MLflow store `{study.uri}`, experiment `{study.name}`, parent run `{p.info.run_id}`"
         f" (study `{p.data.tags.get('optuna_study', '?')}`); {len(study.runs)} finished runs used of {len(runs)}.",
         f"- Code: git commit {', '.join(f'`{c}`' for c in commits) or '?'}.",
-        f"- Target: `{target}` ({', '.join(f'`{t}`' for t in target_build) or 'no build tag'}; "
-        # a pretrained (converted) target is not trained here, so no run measured its validation loss
-        + (f"validation loss {', '.join(val)})." if val else "pretrained, no validation loss here)."),
+        f"- Target: `{target}` ({', '.join(f'`{t}`' for t in target_build) or 'no build tag'}; {loss}).",
         f"- Config hashes: {len(hashes)} distinct over {len(study.runs)} runs (one per arm and seed; listed below).",
         _computed_on(study.runs),
         f"- Suites {', '.join(study.suites)}; k in {study.ks}; seeds {study.seeds}; backend `{study.backend}`"

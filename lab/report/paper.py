@@ -328,10 +328,11 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
                     lines.append(f"| {label} | {_interval(iv)} | {iv.prompts} x {iv.seeds} | {f.side(iv)} |")
         else:
             lines += ["", f"No finished runs of both `{c.arm}` and `{c.baseline}` yet."]
-        lines += ["", f"Verdict: **{f.verdict()}**."]
-        if f.verdict() not in ("agrees", "not measured"):
+        verdict = f.verdict()
+        lines += ["", f"Verdict: **{verdict}**."]
+        if verdict not in ("agrees", "not measured"):
             lines[-1] += (
-                f" Before this counts against the paper, weigh the budget behind it: "
+                " Before this counts against the paper, weigh the budget behind it: "
                 f"{_budget(study, [c.arm, c.baseline])}; the paper's drafters train on far more data, for longer, "
                 f"against larger targets. Runs: {_runs(study, [c.arm, c.baseline])}."
             )
