@@ -162,7 +162,7 @@ def test_report_tables_figures_and_provenance(store, tmp_path, capsys):
     assert "95% paired bootstrap interval (2000 resamples, seed 12345;" in al
     assert "over 40 prompts × 2 seeds per cell unless the cell says otherwise. Bold: the interval excludes 1." in al
     assert "Missing: arm EAGLE 3.1 (eagle31) lacks seed 1." in al
-    assert "Left out: 1 failed (eagle31 seed 1); 1 pruned (norm_output seed 1)." in al
+    assert "Left out: 1 failed (eagle31 seed 1); 1 pruned then retried (norm_output seed 1)." in al
     assert printed.startswith("**Acceptance length")
     rows = list(csv.DictReader(io.StringIO((tables / "al.csv").read_text())))
     assert len(rows) == len(ARMS) * len(SUITES) * len(KS)

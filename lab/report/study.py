@@ -123,13 +123,17 @@ class Study:
         return out
 
     def left_out_note(self) -> str:
-        """One sentence counting the runs left out, by state, naming arm and seed."""
+        """One sentence counting the runs left out, by state, naming arm and seed; a run whose arm and seed
+        finished later (a retried trial) says so, since the table then holds that seed after all."""
         if not self.left_out:
             return ""
+        finished = {(a.name, r.data.tags.get("seed")) for a in self.arms for r in a.runs}
         by_state: dict[str, list[str]] = {}
         for r in self.left_out:
             state = r.data.tags.get("trial_state") or r.info.status
             state = {"FAIL": "FAILED", "KILLED": "stopped"}.get(state, state).lower()
+            if (r.data.tags.get("arm"), r.data.tags.get("seed")) in finished:
+                state += " then retried"
             by_state.setdefault(state, []).append(f"{r.data.tags.get('arm', '?')} seed {r.data.tags.get('seed', '?')}")
         parts = [f"{len(v)} {k} ({', '.join(sorted(v))})" for k, v in sorted(by_state.items())]
         return f"Left out: {'; '.join(parts)}."
