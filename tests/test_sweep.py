@@ -500,6 +500,26 @@ def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_peri
     assert time.time() - started >= 3  # not before the grace period
 
 
+def test_a_retried_trial_is_taken_before_the_slots_still_waiting(tmp_path, micro_overrides):
+    path = _write(
+        tmp_path,
+        "order",
+        "space: {train.lr: [0.001, 0.002, 0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n",
+    )
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    s = storage.open_session(sweep, extra, sweep.check(extra), create=True)
+    queue.top_up(s, sweep.budget())
+    first = queue.pop(s)
+    assert first is not None and first.number == 0
+    with s.lock():
+        assert adapter.fail_if_running(s.storage, first, "worker stopped")
+    assert queue.retry(s, first, sweep.max_retry)
+    again = queue.pop(s)  # the retry (trial 3), not trial 1
+    assert again is not None and again.number == 3
+    assert adapter.retry_history(s.storage, again) == [0] and again.user_attrs["point"] == 0
+    assert [queue.pop(s).number for _ in range(2)] == [1, 2] and queue.pop(s) is None
+
+
 @pytest.mark.slow
 def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
     path = _write(

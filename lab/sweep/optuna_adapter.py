@@ -107,6 +107,11 @@ def retry_history(storage: BaseStorage, trial: AnyTrial) -> list[int]:
     return storage.get_trial_system_attrs(_id(trial)).get("retry_history", [])
 
 
+def is_retry(trial: FrozenTrial) -> bool:
+    """Whether the trial re-runs a failed one."""
+    return bool(trial.system_attrs.get("retry_history"))
+
+
 def retried(trials: list[FrozenTrial]) -> set[int]:
     """Numbers of failed trials that were re-enqueued (their retry stands for them)."""
     return {n for t in trials for n in t.system_attrs.get("retry_history", [])}

@@ -53,7 +53,10 @@ def enqueue_other_seeds(s: Session, point: int, params: dict[str, Any]) -> None:
 def pop(s: Session) -> optuna.Trial | None:
     """Take a WAITING trial within the budget (atomically WAITING -> RUNNING), or None."""
     last_point = s.user_attr("budget", 0) // len(s.sweep.seeds)  # a grid's budget is points x seeds
-    for ft in s.trials((TrialState.WAITING,)):
+    # retries first: a stopped trial's drafter is often trained already (its checkpoint resumes), and a
+    # study's missing seeds should close before new slots open
+    waiting = sorted(s.trials((TrialState.WAITING,)), key=lambda t: (not adapter.is_retry(t), t.number))
+    for ft in waiting:
         if ft.user_attrs.get("point", 0) >= last_point:
             continue  # the budget was lowered: this slot is no longer asked for
         trial = adapter.claim(s.study, s.storage, ft)
