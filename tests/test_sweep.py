@@ -476,17 +476,18 @@ def test_an_rdb_storage_by_override_holds_the_study(tmp_path, micro_overrides):
     assert not Path(_journal(extra)).exists()  # nothing went to the default journal
 
 
+def _queued(tmp_path: Path, micro_overrides: list[str], text: str) -> tuple[Sweep, list[str], storage.Session]:
+    """A grid sweep's study (`text` adds to the grid and its objective) with its slots queued, none taken."""
+    path = _write(tmp_path, "queued", text + "sampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n")
+    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    s = storage.open_session(sweep, extra, sweep.check(extra), create=True)
+    queue.top_up(s, sweep.budget())
+    return sweep, extra, s
+
+
 @pytest.mark.slow
 def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_period(tmp_path, micro_overrides):
-    path = _write(
-        tmp_path,
-        "remote",
-        "space: {train.lr: [0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\nheartbeat_s: 1\ngrace_s: 3\n",
-    )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
-    cfg = sweep.check(extra)
-    s = storage.open_session(sweep, extra, cfg, create=True)
-    queue.top_up(s, sweep.budget())
+    sweep, extra, s = _queued(tmp_path, micro_overrides, "space: {train.lr: [0.003]}\nheartbeat_s: 1\ngrace_s: 3\n")
     # a worker on another machine took the only trial, stamped one heartbeat, and went silent
     taken = adapter.claim(s.study, s.storage, s.trials()[0])
     assert taken is not None
@@ -501,14 +502,7 @@ def test_a_trial_whose_remote_worker_went_silent_is_retried_after_the_grace_peri
 
 
 def test_a_retried_trial_is_taken_before_the_slots_still_waiting(tmp_path, micro_overrides):
-    path = _write(
-        tmp_path,
-        "order",
-        "space: {train.lr: [0.001, 0.002, 0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n",
-    )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
-    s = storage.open_session(sweep, extra, sweep.check(extra), create=True)
-    queue.top_up(s, sweep.budget())
+    sweep, _, s = _queued(tmp_path, micro_overrides, "space: {train.lr: [0.001, 0.002, 0.003]}\n")
     first = queue.pop(s)
     assert first is not None and first.number == 0
     with s.lock():
