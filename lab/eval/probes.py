@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lab.drafter import Eagle3Drafter
+from lab.drafter.model import TTTCache
 from lab.target import chunked_argmax
 
 
@@ -116,8 +117,60 @@ def rollout_counts(
     t = input_ids.shape[1]
     if depth >= t - 1:
         raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
-    shifted = F.pad(input_ids[:, 1:], (0, 1))
-    outs = drafter.unroll(shifted, aux.float(), depth)
+    outs = drafter.unroll(F.pad(input_ids[:, 1:], (0, 1)), aux.float(), depth)
+    return _count_agreement(drafter, outs, input_ids, target_top, loss_mask)
+
+
+FEEDBACKS = ("drafter", "shuffled")
+
+
+@torch.no_grad()
+def feedback_ablated_rollout_counts(
+    drafter: Eagle3Drafter,
+    input_ids: torch.Tensor,
+    aux: torch.Tensor,
+    target_top: torch.Tensor,
+    depth: int,
+    loss_mask: torch.Tensor | None = None,
+    feedback: str = "shuffled",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rollout_counts` with the state fed to each later drafting step replaced: `drafter` keeps the
+    drafter's own (raw h or norm(h)), `shuffled` gives each position the state fed back at another
+    position of the batch (a seeded permutation per step). Shuffling keeps the states' distribution and
+    removes what they say about their own position, so the accuracy it costs at depth >= 2 is what the
+    drafter reads from its fed-back state (depth 1 reads none and is unchanged). A dense unroll (the
+    training forward, `TTTCache.attend`), for analysis: [B, heads, T, T] attention per step."""
+    if feedback not in FEEDBACKS:
+        raise ValueError(f"feedback: unknown '{feedback}'; allowed: {', '.join(FEEDBACKS)}")
+    b, t = input_ids.shape
+    if depth >= t - 1:
+        raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
+    gen = torch.Generator().manual_seed(seed)
+    ext = F.pad(input_ids[:, 1:], (0, depth))  # step i at position p embeds ext[p + i]
+    positions = torch.arange(t, device=input_ids.device).expand(b, t)
+    cache = TTTCache(len(drafter.layers))
+    hidden = drafter.project(aux.float())
+    outs = []
+    for step in range(depth):
+        h_out = drafter(ext[:, step : step + t], hidden, positions + step, cache)
+        outs.append(h_out)
+        hidden = drafter.feedback(h_out)
+        if feedback == "shuffled":
+            order = torch.randperm(b * t, generator=gen).to(hidden.device)
+            hidden = hidden.reshape(b * t, -1)[order].view_as(hidden)
+    return _count_agreement(drafter, outs, input_ids, target_top, loss_mask)
+
+
+def _count_agreement(
+    drafter: Eagle3Drafter,
+    outs: list[torch.Tensor],
+    input_ids: torch.Tensor,
+    target_top: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hits and counted positions [depth, B] of an unroll's h_out per step (each [B, T, H])."""
+    t = input_ids.shape[1]
     # target_top[j] predicts x_{j+1}: counted where x_{j+1} is the assistant's
     counted = (
         torch.ones_like(input_ids, dtype=torch.float) if loss_mask is None else F.pad(loss_mask[:, 1:].float(), (0, 1))
