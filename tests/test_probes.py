@@ -13,9 +13,9 @@ from lab.eval.probes import (
     DriftProbes,
     chunked_argmax,
     fc_share,
-    feedback_ablated_rollout_counts,
     rollout_accuracy,
     rollout_counts,
+    shuffled_rollout_counts,
 )
 from lab.eval.reference import speculative_decode
 from lab.target import capture
@@ -108,26 +108,28 @@ def test_rollout_accuracy_beyond_training_depth(micro_cfg, micro_target, micro_s
     assert accs[0] > base[0] + 0.1
 
 
-def test_a_shuffled_fed_back_state_changes_only_the_depths_that_read_it(
+def test_shuffled_inputs_change_only_the_depths_that_read_them(
     micro_cfg, micro_target, micro_sequences, trained_eagle3
 ):
-    """The dense unroll with the drafter's own feedback counts what the rollout counts; shuffling the fed-back
-    state across positions leaves depth 1 (which reads none) as it is and changes the deeper depths."""
+    """The dense unroll unshuffled counts what the rollout counts. Shuffling the fed-back state across positions
+    leaves depth 1 (which reads none) as it is and changes the deeper depths; shuffling the target's features
+    changes depth 1. The same seed, the same counts."""
     drafter, _ = trained_eagle3
     heldout = micro_sequences[1][:8]
     cap = capture(micro_target.model, heldout.input_ids, aux_layers(micro_cfg))
     top = (cap.final @ micro_target.lm_head_weight.T).argmax(-1)
     args = (drafter, heldout.input_ids, cap.aux, top, 2 * micro_cfg.train.ttt_length, heldout.loss_mask)
     hits, counted = rollout_counts(*args)
-    own_hits, own_counted = feedback_ablated_rollout_counts(*args, feedback="drafter")
-    assert torch.equal(own_hits, hits) and torch.equal(own_counted, counted)
-    shuffled, shuffled_counted = feedback_ablated_rollout_counts(*args, feedback="shuffled", seed=0)
-    assert torch.equal(shuffled_counted, counted)
-    assert torch.equal(shuffled[0], hits[0])
-    assert not torch.equal(shuffled[1:], hits[1:])
-    assert torch.equal(feedback_ablated_rollout_counts(*args, feedback="shuffled", seed=0)[0], shuffled)
-    with pytest.raises(ValueError, match="feedback: unknown 'zeros'"):
-        feedback_ablated_rollout_counts(*args, feedback="zeros")
+    dense_hits, dense_counted = shuffled_rollout_counts(*args, shuffled=None)
+    assert torch.equal(dense_hits, hits) and torch.equal(dense_counted, counted)
+    feedback, feedback_counted = shuffled_rollout_counts(*args, shuffled="feedback", seed=0)
+    assert torch.equal(feedback_counted, counted)
+    assert torch.equal(feedback[0], hits[0]) and not torch.equal(feedback[1:], hits[1:])
+    assert torch.equal(shuffled_rollout_counts(*args, shuffled="feedback", seed=0)[0], feedback)
+    features = shuffled_rollout_counts(*args, shuffled="features", seed=0)[0]
+    assert features[0].sum() < hits[0].sum()
+    with pytest.raises(ValueError, match="shuffled: unknown 'zeros'"):
+        shuffled_rollout_counts(*args, shuffled="zeros")
 
 
 def test_chunked_argmax_is_the_argmax_of_the_whole():

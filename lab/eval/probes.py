@@ -121,32 +121,36 @@ def rollout_counts(
     return _count_agreement(drafter, outs, input_ids, target_top, loss_mask)
 
 
-FEEDBACKS = ("drafter", "shuffled")
+SHUFFLED = ("features", "feedback")
 
 
 @torch.no_grad()
-def feedback_ablated_rollout_counts(
+def shuffled_rollout_counts(
     drafter: Eagle3Drafter,
     input_ids: torch.Tensor,
     aux: torch.Tensor,
     target_top: torch.Tensor,
     depth: int,
     loss_mask: torch.Tensor | None = None,
-    feedback: str = "shuffled",
+    shuffled: str | None = "feedback",
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rollout_counts` with the state fed to each later drafting step replaced: `drafter` keeps the
-    drafter's own (raw h or norm(h)), `shuffled` gives each position the state fed back at another
-    position of the batch (a seeded permutation per step). Shuffling keeps the states' distribution and
-    removes what they say about their own position, so the accuracy it costs at depth >= 2 is what the
-    drafter reads from its fed-back state (depth 1 reads none and is unchanged). A dense unroll (the
-    training forward, `TTTCache.attend`), for analysis: [B, heads, T, T] attention per step."""
-    if feedback not in FEEDBACKS:
-        raise ValueError(f"feedback: unknown '{feedback}'; allowed: {', '.join(FEEDBACKS)}")
+    """`rollout_counts` with one of the drafter's inputs shuffled across the positions of the batch (a seeded
+    permutation): the same distribution of values, none of them about its own position, so the accuracy a
+    shuffle costs is what the drafter reads from that input. `features`: the target's captured states
+    (every depth reads them, through step 0). `feedback`: the state fed to each later drafting step (depth 1
+    reads none and is unchanged), through a dense unroll (the training forward, `TTTCache.attend`: [B, heads,
+    T, T] attention per step, for analysis); None runs that dense unroll unshuffled."""
+    if shuffled not in (*SHUFFLED, None):
+        raise ValueError(f"shuffled: unknown '{shuffled}'; allowed: {', '.join(SHUFFLED)}")
     b, t = input_ids.shape
+    gen = torch.Generator().manual_seed(seed)
+    if shuffled == "features":
+        order = torch.randperm(b * t, generator=gen).to(aux.device)
+        aux = aux.reshape(b * t, -1)[order].view_as(aux)
+        return rollout_counts(drafter, input_ids, aux, target_top, depth, loss_mask)
     if depth >= t - 1:
         raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
-    gen = torch.Generator().manual_seed(seed)
     ext = F.pad(input_ids[:, 1:], (0, depth))  # step i at position p embeds ext[p + i]
     positions = torch.arange(t, device=input_ids.device).expand(b, t)
     cache = TTTCache(len(drafter.layers))
@@ -156,7 +160,7 @@ def feedback_ablated_rollout_counts(
         h_out = drafter(ext[:, step : step + t], hidden, positions + step, cache)
         outs.append(h_out)
         hidden = drafter.feedback(h_out)
-        if feedback == "shuffled":
+        if shuffled == "feedback":
             order = torch.randperm(b * t, generator=gen).to(hidden.device)
             hidden = hidden.reshape(b * t, -1)[order].view_as(hidden)
     return _count_agreement(drafter, outs, input_ids, target_top, loss_mask)
