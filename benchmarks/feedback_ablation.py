@@ -127,7 +127,8 @@ def main() -> None:
 
 
 def accuracy(counts: np.ndarray) -> list[float]:
-    return [round(float(a), 3) for a in counts[:, :, 0].sum(0) / counts[:, :, 1].sum(0).clip(1)]
+    """Pooled accuracy per depth of [N, depth, 2] counts, as the run logs it."""
+    return [round(float(a), 3) for a in share(counts.sum(0))]
 
 
 def draw(curves: dict[str, dict[str | None, list[float]]], path: Path) -> None:
