@@ -10,6 +10,7 @@ import torch
 from helpers import small_drafter
 
 from lab.drafter import Eagle3Drafter, KVCache, load_checkpoint, save_native
+from lab.drafter.unroll import unroll
 
 COMBOS = list(itertools.product(["none", "per_layer", "concat"], [False, True]))
 
@@ -57,7 +58,7 @@ def test_ttt_unroll_equals_step_by_step_decoding(fc_norm, norm_output, num_layer
     tokens = torch.randint(0, 100, (1, t))
     aux = torch.randn(1, t, 192) * 3
     with torch.no_grad():
-        outs = d.unroll(tokens, aux, length)
+        outs = unroll(d, tokens, aux, length)
         for pos in (0, 4, t - length):
             cache = KVCache(num_layers)
             ctx = d(tokens[:, : pos + 1], d.project(aux[:, : pos + 1]), torch.arange(pos + 1)[None], cache)
@@ -84,8 +85,8 @@ def test_checkpoint_round_trip(tmp_path, fc_norm, norm_output, norm_type):
     back = load_checkpoint(tmp_path)
     tokens, aux = torch.randint(0, 100, (2, 7)), torch.randn(2, 7, 192)
     with torch.no_grad():
-        a = [d.logits(h) for h in d.unroll(tokens, aux, 3)]
-        b = [back.logits(h) for h in back.unroll(tokens, aux, 3)]
+        a = [d.logits(h) for h in unroll(d, tokens, aux, 3)]
+        b = [back.logits(h) for h in unroll(back, tokens, aux, 3)]
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
 

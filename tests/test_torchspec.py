@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from lab.config import ConfigError, compose
 from lab.data.cache import HiddenStates
 from lab.drafter import DrafterSpec, Eagle3Drafter, save_native
+from lab.drafter.unroll import unroll
 from lab.train.ttt import train, ttt_loss
 
 
@@ -106,7 +107,7 @@ def test_forward_parity(fc_norm, norm_output, tmp_path):
     with torch.no_grad():
         TorchSpecTTT(theirs, length).forward(input_ids, aux, final, lm_head, loss_mask)
         shifted = torch.nn.functional.pad(input_ids[:, 1:], (0, 1))
-        ours = drafter.unroll(shifted, aux, length)
+        ours = unroll(drafter, shifted, aux, length)
         projected = drafter.project(aux)
         assert len(out) == len(ours) == length
         torch.testing.assert_close(fed[0], projected, rtol=1e-5, atol=1e-5)

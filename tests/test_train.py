@@ -11,6 +11,7 @@ from helpers import perturb
 from lab.config import aux_layers
 from lab.data.cache import HiddenStates
 from lab.drafter import init_drafter
+from lab.drafter.unroll import unroll
 from lab.train import resume
 from lab.train.resume import Checkpointing
 from lab.train.ttt import simulated_acc_len, train, ttt_loss
@@ -157,7 +158,7 @@ def _dense_ttt_loss(drafter, input_ids, aux, final, lm_head, length, step_weight
         target_z = target_z[..., drafter.draft_token_ids()]
         learnable = predicts * in_draft[target_top]
     target_p = torch.softmax(target_z, -1)
-    outs = drafter.unroll(F.pad(input_ids[:, 1:], (0, 1)), aux.float(), length)
+    outs = unroll(drafter, F.pad(input_ids[:, 1:], (0, 1)), aux.float(), length)
     loss, plosses, accs = torch.zeros(()), [], []
     for i, h in enumerate(outs):
         n = t - 1 - i
@@ -235,6 +236,7 @@ def test_ttt_attention_over_rows_equals_the_dense_attention():
     the diagonal joined through the log-sum-exp, the backward written out) equals `TTTCache.attend`'s
     plain dense attention, values and gradients, with grouped-query heads."""
     from lab.drafter.model import TTTCache
+    from lab.drafter.unroll import RowCache
 
     torch.manual_seed(0)
     b, t, heads, kv_heads, d = 2, 12, 4, 2, 8
@@ -243,12 +245,12 @@ def test_ttt_attention_over_rows_equals_the_dense_attention():
     qs = [torch.randn(n, heads, d, requires_grad=True) for n in sizes]
     ks = [torch.randn(n, kv_heads, d, requires_grad=True) for n in sizes]
     vs = [torch.randn(n, kv_heads, d, requires_grad=True) for n in sizes]
-    sparse, dense = TTTCache(1, b, t), TTTCache(1, b, t)
+    sparse, dense = RowCache(1, b, t), TTTCache(1)
     outs, expected = [], []
     for step, r in enumerate(rows):
         sparse.rows = r
         sparse.row_sets.append(r)
-        outs.append(sparse.attend_rows(0, qs[step], ks[step], vs[step]))
+        outs.append(sparse.attend(0, qs[step], ks[step], vs[step]))
 
         def full(x, r=r):  # the rows as dense [B, heads, T, d], zeros elsewhere
             if r is not None:
@@ -269,7 +271,8 @@ def test_ttt_attention_over_rows_equals_the_dense_attention():
 
 def test_rms_norm_function_equals_the_module():
     """The unroll's RMSNorm with its backward written out equals the RMSNorm module and its autograd."""
-    from lab.drafter.model import RMSNorm, rms_norm
+    from lab.drafter.model import RMSNorm
+    from lab.drafter.unroll import rms_norm
 
     torch.manual_seed(0)
     norm = RMSNorm(16)

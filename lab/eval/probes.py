@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from lab.drafter import Eagle3Drafter
 from lab.drafter.model import TTTCache
+from lab.drafter.unroll import unroll
 from lab.target import chunked_argmax
 
 
@@ -117,7 +118,7 @@ def rollout_counts(
     t = input_ids.shape[1]
     if depth >= t - 1:
         raise ValueError(f"rollout depth {depth} needs sequences longer than {depth + 1} tokens")
-    outs = drafter.unroll(F.pad(input_ids[:, 1:], (0, 1)), aux.float(), depth)
+    outs = unroll(drafter, F.pad(input_ids[:, 1:], (0, 1)), aux.float(), depth)
     return _count_agreement(drafter, outs, input_ids, target_top, loss_mask)
 
 
@@ -200,7 +201,7 @@ def unrolled_rounds(
     next token is at position p drafts what the unroll predicts at p - 1: its inputs are the target's
     tokens for as long as the drafts before were accepted, and a rejected draft ends the round. The last
     round stops at the end of input_ids."""
-    outs = drafter.unroll(F.pad(input_ids[:, 1:], (0, 1)), aux.float(), k)
+    outs = unroll(drafter, F.pad(input_ids[:, 1:], (0, 1)), aux.float(), k)
     preds = [drafter.to_target_ids(drafter.logits(h).argmax(-1))[0].tolist() for h in outs]
     seq, pending, rounds = input_ids[0].tolist(), prompt_len, []
     while pending < len(seq) - 1:

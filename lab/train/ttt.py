@@ -31,7 +31,7 @@ from lab import metrics as keys
 from lab.data.cache import HiddenStates
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
-from lab.drafter.model import rms_norm
+from lab.drafter.unroll import rms_norm, unroll
 from lab.schedule import warmup_cosine
 from lab.target import target_logits
 from lab.train.resume import Checkpointing, StopRequest, TrainState
@@ -147,7 +147,7 @@ def ttt_loss(
 
     Only what the loss reads is computed: the target's distribution once per counted position (step i
     at position t learns from position t+i+1's, so each is shared by every step), the drafter's later
-    steps only at the positions whose loss they feed (`Eagle3Drafter.unroll`'s `keep`), and lm_head with
+    steps only at the positions whose loss they feed (`lab.drafter.unroll.unroll`'s `keep`), and lm_head with
     the cross-entropy chunked over the rows that count."""
     b, t = input_ids.shape
     if length >= t:
@@ -188,7 +188,7 @@ def ttt_loss(
             needed[i] = needed[i] | needed[i + 1]
         keep = [m.nonzero().squeeze(-1) for m in needed]
     shifted = F.pad(input_ids[:, 1:], (0, 1))  # position t carries x_{t+1}
-    outs = drafter.unroll(shifted, aux.float(), length, keep=keep)
+    outs = unroll(drafter, shifted, aux.float(), length, keep=keep)
     xs, slots, weights = [], [], []
     for i, h_out in enumerate(outs):
         rows = step_rows[i]
