@@ -25,15 +25,36 @@ def _value(cfg: Any, key: str) -> str:
 
 def resolve_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) of a config's `device` and `dtype`: device `auto` is cuda where torch sees a GPU, else
-    cpu; dtype `auto` is bfloat16 on cuda (half the memory, the tensor cores' precision) and float32 on cpu
+    cpu; dtype `auto` is bfloat16 on cuda (half the memory, the tensor cores' precision; float16 on a GPU older
+    than Ampere, which has no bfloat16 arithmetic) and float32 on cpu
     (a CPU without bf16 instructions only emulates bfloat16, and float32 keeps the numbers every run recorded
     so far). Explicit values are taken as they are; whether CUDA is there is `cuda_problem`'s to say."""
     device, dtype = _value(cfg, "device"), _value(cfg, "dtype")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = "float32" if device != "cuda" else "bfloat16" if _bf16_problem() is None else "float16"
     return torch.device(device), DTYPES[dtype]
+
+
+def _bf16_problem() -> str | None:
+    """Why the GPU cannot compute in bfloat16 (before Ampere it only emulates it, slowly), or None where it can
+    or where torch cannot say (no GPU: `cuda_problem` speaks then)."""
+    try:
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return None
+        major, minor = torch.cuda.get_device_capability()
+        name = torch.cuda.get_device_name()
+    except (AssertionError, RuntimeError):  # a build without CUDA, or no GPU
+        return None
+    return f"{name} (compute capability {major}.{minor}) has no bfloat16 arithmetic"
+
+
+def dtype_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `device` cannot compute in `dtype`, or None where it can (a CPU computes all three DTYPES)."""
+    if device.type == "cuda" and dtype == torch.bfloat16:
+        return _bf16_problem()
+    return None
 
 
 def cuda_problem() -> str | None:

@@ -25,6 +25,7 @@ from lab.config import (
     ConfigError,
     DataSource,
     Device,
+    DType,
     FcNorm,
     NormType,
     TargetKind,
@@ -53,18 +54,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_device(cfg: DictConfig) -> None:
-    """`device=cuda` where this torch cannot compute on CUDA is refused (`auto` falls back to the CPU)."""
-    if cfg.device != Device.cuda:
+    """`device=cuda` where this torch cannot compute on CUDA is refused (`auto` falls back to the CPU), and so
+    is a dtype the device cannot compute (bfloat16 on a GPU older than Ampere)."""
+    if cfg.device != Device.cuda and cfg.dtype != DType.bfloat16:
         return
-    from lab.device import cuda_problem  # torch: imported only when CUDA is asked for
+    from lab.device import cuda_problem, dtype_problem, resolve_device  # torch: imported only when needed
 
-    problem = cuda_problem()
-    if problem:
+    if cfg.device == Device.cuda and (problem := cuda_problem()):
         raise ConfigError(
             "device",
             f"cuda: {problem}; expected device=auto or device=cpu here, or a CUDA build of torch on a machine "
             "with a GPU (README: On a GPU machine)",
         )
+    device, dtype = resolve_device(cfg)
+    if problem := dtype_problem(device, dtype):
+        raise ConfigError("dtype", f"{cfg.dtype.value} on {device.type}: {problem}; expected dtype=float16 or float32")
 
 
 def check_target(cfg: DictConfig) -> None:

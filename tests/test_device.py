@@ -67,6 +67,32 @@ def test_unknown_values_are_refused_by_the_schema():
         compose(["dtype=fp8"])
 
 
+def _pre_ampere(monkeypatch) -> None:
+    """torch as it answers on a V100: CUDA, but no bfloat16 arithmetic."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+
+
+def test_a_dtype_the_device_cannot_compute_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
+    """bfloat16 on a GPU without bfloat16 arithmetic is refused before any work; `auto` picks float16 there."""
+    from lab.cli import main
+
+    _pre_ampere(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_device(compose(["device=cuda"])) == (torch.device("cuda"), torch.float16)
+    assert main(["run", "device=cuda", "dtype=bfloat16"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "error: dtype: bfloat16 on cuda: Tesla V100-SXM2-16GB (compute capability 7.0) has no bfloat16 arithmetic; "
+        "expected dtype=float16 or float32"
+    ]
+    assert list(tmp_path.iterdir()) == []  # refused before any work: no store, no cache
+    check_target(compose(["device=cuda", "dtype=float16"]))  # what it says to use is taken
+    check_target(compose(["device=cpu", "dtype=bfloat16"]))  # a CPU computes bfloat16
+
+
 @pytest.mark.skipif(CUDA, reason="torch sees a GPU here, so device=cuda is not refused")
 def test_cuda_without_cuda_is_refused_in_one_line(tmp_path):
     said = subprocess.run(
