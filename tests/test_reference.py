@@ -79,8 +79,9 @@ def test_accepted_drafts_after_a_stop_token_do_not_count(micro_cfg, micro_target
     rounds: list[list[int]] = []
 
     def accept_all(drafts, *args):  # every draft accepted, as a drafter that agrees with its target would be
-        rounds.append(list(drafts))
-        return len(drafts), real(drafts, *args)[1]
+        _, bonus, tokens = real(drafts, *args)
+        rounds.append(tokens)
+        return len(tokens), bonus, tokens
 
     monkeypatch.setattr(reference_module, "_accept", accept_all)
     speculative_decode(micro_target.model, drafter, prompts[0], 24, 4)

@@ -18,7 +18,9 @@ from lab.target import chunked_argmax
 
 @dataclass
 class DriftProbes:
-    """Accumulates per-drafting-step (j = 1..k) sums over heads, layers, rounds and prompts."""
+    """Accumulates per-drafting-step (j = 1..k) sums over heads, layers, rounds and prompts. `record` keeps each
+    step's values on the device and they are read in one transfer when the sums are (a host sync per step
+    would stall a GPU's decoding); they are added as Python floats in recording order, as they always were."""
 
     k: int
     n_sink: int = 1
@@ -26,6 +28,7 @@ class DriftProbes:
     self_: list[float] = field(default_factory=list)
     feedback_rms: list[float] = field(default_factory=list)
     count: list[int] = field(default_factory=list)
+    _pending: list[tuple[int, torch.Tensor]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("sink", "self_", "feedback_rms"):
@@ -37,22 +40,41 @@ class DriftProbes:
         >= first_self_key came from the drafter's own output in this round; `fed_back` is the hidden
         state this step passes on."""
         rows = torch.stack([p[..., -1, :] for p in probs])  # [layers, B, heads, S]
-        self.sink[j - 1] += rows[..., : self.n_sink].sum(-1).mean().item()
-        self.self_[j - 1] += rows[..., first_self_key:].sum(-1).mean().item()
-        self.feedback_rms[j - 1] += fed_back.float().pow(2).mean().sqrt().item()
-        self.count[j - 1] += 1
+        values = torch.stack(
+            [
+                rows[..., : self.n_sink].sum(-1).mean(),
+                rows[..., first_self_key:].sum(-1).mean(),
+                fed_back.float().pow(2).mean().sqrt(),
+            ]
+        )
+        self._pending.append((j, values))
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        values = torch.stack([v.float() for _, v in self._pending]).tolist()  # one transfer
+        for (j, _), (sink, self_, rms) in zip(self._pending, values, strict=True):
+            self.sink[j - 1] += sink
+            self.self_[j - 1] += self_
+            self.feedback_rms[j - 1] += rms
+            self.count[j - 1] += 1
+        self._pending.clear()
 
     def merge(self, other: DriftProbes) -> None:
+        self._flush()
+        other._flush()
         for name in ("sink", "self_", "feedback_rms", "count"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)])
 
     def sums(self) -> dict[str, list[float] | list[int]]:
         """The running sums per drafting step, as `per_prompt/{suite}.json` records them: summed over
         prompts and divided as `curves` divides them, they give the logged curves."""
+        self._flush()
         names = {"sink": self.sink, "self": self.self_, "feedback_rms": self.feedback_rms, "count": self.count}
         return {name: list(values) for name, values in names.items()}
 
     def curves(self) -> dict[str, list[float]]:
+        self._flush()
         n = [max(c, 1) for c in self.count]
         sink = [s / c for s, c in zip(self.sink, n, strict=True)]
         self_mass = [s / c for s, c in zip(self.self_, n, strict=True)]

@@ -15,7 +15,8 @@ sampling distribution (tested statistically).
 
 Both models run on the target's device. The drafter computes in the target's dtype (under autocast: its
 weights stay float32, lab/device.py), reading the target's features as they come; sampling draws from the
-caller's CPU generator, so that a seed gives the same draws on any device.
+caller's CPU generator, so that a seed gives the same draws on any device. Greedy drafting keeps its tokens on
+the device: a round waits for the host once, when the drafts and the target's predictions are read together.
 """
 
 from __future__ import annotations
@@ -156,29 +157,31 @@ def target_decode(
 
 
 def _accept(
-    drafts: list[int],
+    drafts: torch.Tensor,
     draft_probs: list[torch.Tensor | None],
     target_z: torch.Tensor,
     temperature: float,
     generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """(number of drafts accepted, the token that follows them) from the target's logits [k+1, V]."""
+) -> tuple[int, int, list[int]]:
+    """(number of drafts accepted, the token that follows them, the drafts as ints) from the drafts [k] and the
+    target's logits [k+1, V]: greedy reads them from the device in one transfer a round."""
     k = len(drafts)
     if temperature == 0:
-        preds = target_z.argmax(-1).tolist()  # preds[i] follows drafts[:i]
-        accepted = 0
-        while accepted < k and drafts[accepted] == preds[accepted]:
-            accepted += 1
-        return accepted, preds[accepted]
+        preds = target_z.argmax(-1)  # preds[i] follows drafts[:i]
+        accepted = (drafts == preds[:k]).int().cumprod(0).sum()  # the longest prefix that matches
+        said = torch.cat([accepted[None], preds, drafts]).tolist()
+        accepted = said[0]
+        return accepted, said[1 + accepted], said[k + 2 :]
+    tokens = drafts.tolist()
     p = torch.softmax(target_z.float() / temperature, dim=-1)
-    for i, (d, q) in enumerate(zip(drafts, draft_probs, strict=True)):
+    for i, (d, q) in enumerate(zip(tokens, draft_probs, strict=True)):
         # as Python floats: the CPU generator's draw against a ratio on any device (exact: both are float32)
         if torch.rand((), generator=generator).item() >= torch.clamp(p[i, d] / q[d], max=1.0).item():
             residual = (p[i] - q).clamp_min(0)
             total = residual.sum()
             dist = residual / total if total > 0 else p[i]
-            return i, _sample(dist, generator)
-    return k, _sample(p[k], generator)
+            return i, _sample(dist, generator), tokens
+    return k, _sample(p[k], generator), tokens
 
 
 @torch.no_grad()
@@ -217,15 +220,20 @@ def speculative_decode(
     while len(generated) < max_new_tokens and pending not in stop_ids:
         drafting = time.perf_counter()
         with autocast(device, lm_head.dtype):
-            positions = torch.arange(ctx_start, ctx_start + len(ctx_tokens), device=device)[None]
+            positions = torch.arange(ctx_start, n + k, device=device)[None]  # the context's, then the drafts'
             hidden = drafter.project(ctx_aux.to(features))
-            h_out = drafter(torch.tensor([ctx_tokens], device=device), hidden, positions, dcache)[:, -1:]
-            drafts: list[int] = []
+            context = positions[:, : len(ctx_tokens)]
+            h_out = drafter(torch.tensor([ctx_tokens], device=device), hidden, context, dcache)[:, -1:]
+            drafted: list[torch.Tensor] = []  # [1] each, on the device: greedy drafting never waits for the host
             draft_probs: list[torch.Tensor | None] = []
             for j in range(k):
-                draft_id, q = _pick(drafter.logits(h_out)[0, -1], temperature, generator)
-                tok = int(drafter.to_target_ids(torch.tensor(draft_id, device=device)))
-                drafts.append(tok)
+                logits = drafter.logits(h_out)[0, -1]
+                if temperature == 0:
+                    draft, q = drafter.to_target_ids(logits.argmax()[None]), None
+                else:
+                    draft_id, q = _pick(logits, temperature, generator)
+                    draft = drafter.to_target_ids(torch.tensor([draft_id], device=device))
+                drafted.append(draft)
                 draft_probs.append(None if q is None else drafter.to_target_probs(q))
                 if j + 1 == k and probes is None:
                     break  # the last draft feeds nothing back
@@ -233,14 +241,17 @@ def speculative_decode(
                 if probes is not None:  # keys from index n on were drafted in this round
                     probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
                 if j + 1 < k:
-                    token, position = torch.tensor([[tok]], device=device), torch.tensor([[n + j]], device=device)
-                    h_out = drafter(token, fed_back, position, dcache)
+                    position = positions[:, n + j - ctx_start : n + j - ctx_start + 1]
+                    h_out = drafter(draft[None], fed_back, position, dcache)
+        if device.type == "cuda":  # the drafts were queued, not computed: time what they cost
+            torch.cuda.synchronize(device)
         verifying = time.perf_counter()
         stats.draft_seconds += verifying - drafting
-        verify = capture(
-            target_model, torch.tensor([[pending] + drafts], device=device), aux_layers, past_key_values=target_cache
+        proposed = torch.cat([torch.tensor([pending], device=device), *drafted])[None]  # [1, k + 1]
+        verify = capture(target_model, proposed, aux_layers, past_key_values=target_cache)
+        accepted, bonus, drafts = _accept(
+            proposed[0, 1:], draft_probs, verify.final[0] @ lm_head.T, temperature, generator
         )
-        accepted, bonus = _accept(drafts, draft_probs, verify.final[0] @ lm_head.T, temperature, generator)
         stats.verify_seconds += time.perf_counter() - verifying
         stop = next((i for i, tok in enumerate(drafts[:accepted]) if tok in stop_ids), None)
         if stop is not None:  # an accepted draft ends the answer: nothing after it is output
