@@ -592,7 +592,9 @@ def test_queue_only_then_a_worker_finishes_the_study_and_ends_its_parent(tmp_pat
     path = _write(
         tmp_path, "queue", "space: {train.lr: [0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep = spec.load(str(path))
+    # without threads=: the queue-only launch divides no cores among its zero workers
+    extra = [o for o in _store(tmp_path, micro_overrides) if not o.startswith("threads=")]
     queued = _launch(sweep, extra, workers=0)
     assert queued.counts["waiting"] == 1 and queued.ran == 0 and "stays RUNNING" in queued.summary
     assert track.get_run(_uri(extra), queued.parent_run_id).info.status == "RUNNING"

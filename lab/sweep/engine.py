@@ -145,7 +145,8 @@ def launch(
     name = s.study.study_name
     t = cfg.tracking
     user_threads = any(o.startswith("threads=") for o in extra)
-    threads = None if workers == 1 or user_threads else max(1, (os.cpu_count() or 1) // workers)
+    # --workers 0 only queues: the workers that join later choose their own threads
+    threads = None if workers <= 1 or user_threads else max(1, (os.cpu_count() or 1) // workers)
     tags = {
         "study": sweep.experiment,
         "sweep": sweep.name,
