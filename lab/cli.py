@@ -36,6 +36,8 @@ EPILOG = """examples:
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
   lab export torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
+  lab study export experiment=drift_2x2 --out d.tar.gz      # a study's runs into one archive ...
+  lab study import d.tar.gz tracking.uri=sqlite:///other/mlflow.db   # ... and into another store
 config groups: target data drafter train eval suite tracking profile (see configs/); any key: group.key=value
 top-level keys: {top_level} (key=value)
 experiments (experiments/): {experiments}
@@ -677,6 +679,162 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study_spec(overrides: list[str], seeds: str | None, verb: str):
+    """The sweep (an experiment's as a grid study) named by `sweep=NAME` or `experiment=NAME`, the other
+    overrides, and the study's first point composed (where its runs are tracked)."""
+    from lab.sweep import experiment, spec
+    from lab.sweep.spec import blame
+
+    named = {key: [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")] for key in STUDY_KINDS}
+    extra = [o for o in overrides if not o.startswith(tuple(f"{key}=" for key in STUDY_KINDS))]
+    if named["sweep"] and named["experiment"]:
+        raise ConfigError("experiment", "give sweep=NAME or experiment=NAME, not both")
+    if not (named["sweep"] or named["experiment"]):
+        raise ConfigError(
+            "experiment",
+            f"required: experiment=NAME or sweep=NAME, e.g. `lab study {verb} experiment=drift_2x2`; "
+            f"experiments: {', '.join(experiment.available())}; sweeps: {', '.join(spec.available())}",
+        )
+    if named["sweep"]:
+        if seeds is not None:
+            raise ConfigError("--seeds", "only with experiment=NAME (the seeds `lab ablate --seeds` ran)")
+        sweep, kind = spec.load(named["sweep"][-1]), "sweep"
+    else:
+        sweep, kind = experiment.load(named["experiment"][-1], seeds_arg=seeds).as_sweep(extra), "experiment"
+    base = sweep.base_point()
+    try:
+        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+    except ConfigError as exc:
+        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
+    return sweep, kind, extra, cfg
+
+
+def cmd_study_export(args: argparse.Namespace) -> int:
+    from lab import track
+    from lab.report import find_parent
+
+    sweep, kind, extra, cfg = _study_spec(args.overrides, args.seeds, "export")
+    uri = _reachable(cfg.tracking.uri)
+    verb = "ablate" if kind == "experiment" else "sweep"
+    parents = track.study_parents(uri, sweep.experiment, sweep.name)
+    note = ""
+    if args.run is not None:
+        if not any(p.info.run_id == args.run for p in parents):
+            shown = ", ".join(p.info.run_id for p in parents[:5]) or f"none (run `lab {verb} {kind}={sweep.name}`)"
+            raise ConfigError(
+                "--run", f"run '{args.run}' is not the parent run of a study of {sweep.name}; expected one of: {shown}"
+            )
+        parent_id = args.run
+    else:
+        if not parents:
+            raise ConfigError(
+                kind,
+                f"no study of '{sweep.name}' in {redact(uri)}; expected one run by `lab {verb} {kind}={sweep.name}`",
+            )
+        parent_id, note = find_parent(uri, sweep.experiment, sweep.name, sweep.study_name(extra))
+    parent = next(p for p in parents if p.info.run_id == parent_id)
+    study_name = parent.data.tags.get("optuna_study", parent_id)
+    out = Path(args.out or f"{study_name}.tar.gz")
+    if out.is_dir():
+        raise ConfigError(
+            "--out", f"'{out}' is a directory; expected the archive's file, e.g. {out / study_name}.tar.gz"
+        )
+    url = None
+    if args.with_optuna:
+        from lab.sweep.dashboard import open_storage
+        from lab.sweep.storage import storage_url
+
+        url = storage_url(cfg)
+        held = open_storage(url, "--with-optuna").studies
+        if study_name not in held:
+            raise ConfigError(
+                "--with-optuna",
+                f"no Optuna study '{study_name}' in '{redact(url)}' (it holds {', '.join(sorted(held))}); expected the "
+                "storage the study ran with (tracking.optuna_storage)",
+            )
+    validated("study export")
+    import tempfile
+
+    from lab.track import transfer
+
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    study = {"kind": kind, "name": sweep.name, "experiment": sweep.experiment, "optuna_study": study_name}
+    study["overrides"] = [redact(o) for o in extra]
+    with tempfile.TemporaryDirectory(prefix="lab-optuna-") as tmp:
+        files, optuna = {}, None
+        if url is not None:
+            from lab.sweep import transfer as optuna_transfer
+
+            journal = Path(tmp) / "study.journal"
+            trials = optuna_transfer.dump(url, study_name, journal)
+            files = {"optuna/study.journal": journal}
+            optuna = {"study": study_name, "file": "optuna/study.journal", "trials": trials}
+        done = transfer.export_study(uri, parent_id, out, study, args.with_checkpoints, files, optuna)
+    size = done.bytes / 1024
+    said = f"{size:.1f} KiB" if size < 1024 else f"{size / 1024:.1f} MiB"
+    print(
+        f"study {study_name}: {done.runs} runs (parent {parent_id} and {done.runs - 1} children), "
+        f"{done.artifacts} artifact files" + (f", the Optuna study ({optuna['trials']} trials)" if optuna else "")
+    )
+    if done.checkpoints_left_out:
+        print(f"  left out: {done.checkpoints_left_out} checkpoint files (--with-checkpoints carries them)")
+    print(f"archive: {out} ({said}, {done.bytes} bytes)")
+    print(f"import it elsewhere with: lab study import {out.name} [tracking.uri=... tracking.artifact_root=...]")
+    return 0
+
+
+def cmd_study_import(args: argparse.Namespace) -> int:
+    from lab.track import transfer
+
+    path = Path(args.archive)
+    if "=" in args.archive and not path.exists():
+        raise ConfigError(
+            "ARCHIVE",
+            f"'{args.archive}' is an override, not an archive; expected `lab study import ARCHIVE [overrides]`",
+        )
+    cfg = compose(args.overrides)
+    uri = _reachable(cfg.tracking.uri)
+    try:
+        with transfer.open_archive(path) as archive:  # checked through before anything is written
+            try:
+                plan = transfer.plan_import(uri, cfg.tracking.artifact_root, archive)
+            except ValueError as exc:
+                raise ConfigError("tracking.uri", str(exc)) from None
+            url = storage = None
+            if archive.optuna is not None:  # opened (created if need be) now: a bad URL fails before any write
+                from lab.sweep.storage import open_storage, storage_url
+
+                url = storage_url(cfg)
+                storage = open_storage(url)
+            validated("study import")
+            result = transfer.apply_import(plan, {"optuna_storage": redact(url)} if url else None)
+            optuna_said = ""
+            if url is not None:
+                from lab.sweep import transfer as optuna_transfer
+
+                name = archive.optuna["study"]
+                journal = archive.file(archive.optuna["file"])
+                written, trials = optuna_transfer.load(journal, storage, name, result.run_ids)
+                optuna_said = f"; Optuna study {name} ({trials} trials) " + (
+                    f"into {redact(url)}" if written else f"already in {redact(url)}"
+                )
+    except transfer.ArchiveError as exc:
+        raise ConfigError("ARCHIVE", f"{path}: {exc}") from None
+    study = archive.study
+    replaced = f", {result.replaced} cut short before and imported again" if result.replaced else ""
+    print(
+        f"imported {result.created} of {len(archive.runs)} runs into {redact(uri)} ({result.skipped} already there"
+        f"{replaced}){optuna_said}"
+    )
+    kind, name = study.get("kind", "experiment"), study.get("name", "?")
+    print(f"study {study.get('optuna_study', '?')}: parent run {result.parent_run_id}")
+    if kind == "experiment":
+        store = " ".join(redact(o) for o in args.overrides if o.startswith("tracking."))
+        print(f"report: lab report experiment={name} --run {result.parent_run_id} {store}".rstrip())
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line, `error: OPTION: what is expected`, and exit code 2 (`lab VERB -h`
     shows the usage)."""
@@ -979,6 +1137,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dash.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
     dash.add_argument("--port", type=PORT, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
+    study = sub.add_parser(
+        "study",
+        help="move a study (its parent and child runs, optionally its Optuna study) between MLflow stores",
+        description=_wrap(
+            "lab study export: one study of `lab ablate experiment=NAME` or `lab sweep sweep=NAME` (the one the "
+            "same overrides ran, else the newest; --run picks one) into one .tar.gz: the parent and child runs "
+            "with their tags, params, every metric's history, dataset inputs and artifacts (per-prompt records, "
+            "suites, config, report), checked by a manifest of sha256 hashes. Drafter checkpoints only with "
+            "--with-checkpoints, the Optuna study only with --with-optuna. Written atomically; its size is printed.",
+            "lab study import ARCHIVE: those runs into the store of tracking.uri / tracking.artifact_root (and "
+            "the Optuna study into its storage), after checking the whole archive: a damaged archive, or one of "
+            "an unknown schema version, is refused in one line and nothing is written. Runs already there "
+            "(imported before, tagged lab.imported_from) are skipped, so importing twice changes nothing.",
+        ),
+        epilog="examples:\n  lab study export experiment=drift_2x2 profile=quick --seeds 0,1 --out drift.tar.gz\n"
+        "  lab study export sweep=tpe_eagle31 --with-optuna --out tpe.tar.gz\n"
+        "  lab study import drift.tar.gz tracking.uri=sqlite:///laptop/mlflow.db tracking.artifact_root=laptop/art\n"
+        "  lab report experiment=drift_2x2 profile=quick --seeds 0,1 tracking.uri=sqlite:///laptop/mlflow.db",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ssub = study.add_subparsers(dest="study_verb", required=True)
+    exp_out = ssub.add_parser(
+        "export",
+        help="a study's runs (and optionally its Optuna study and checkpoints) into one .tar.gz",
+        description="Write one study of an experiment or sweep into one archive (see `lab study -h`).",
+        epilog="examples:\n  lab study export experiment=drift_2x2 --out drift_2x2.tar.gz\n"
+        "  lab study export experiment=drift_2x2 --run PARENT_RUN_ID --with-checkpoints --out drift_2x2.tar.gz\n"
+        "  lab study export sweep=tpe_eagle31 --with-optuna",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    exp_out.add_argument("overrides", nargs="*", help="experiment=NAME or sweep=NAME, then the overrides it ran with")
+    exp_out.add_argument("--out", type=_path, help="the archive (default: STUDY.tar.gz here)")
+    exp_out.add_argument("--run", help="the study's MLflow parent run id (default: found by name and overrides)")
+    exp_out.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
+    exp_out.add_argument("--with-optuna", action="store_true", help="carry the study's Optuna study too")
+    exp_out.add_argument(
+        "--with-checkpoints", action="store_true", help="carry the drafter checkpoints (`checkpoint/` artifacts) too"
+    )
+    imp = ssub.add_parser(
+        "import",
+        help="an archive of `lab study export` into the configured store",
+        description="Import an archive of `lab study export` into tracking.uri (see `lab study -h`).",
+        epilog="examples:\n  lab study import drift_2x2.tar.gz\n"
+        "  lab study import drift_2x2.tar.gz tracking.uri=sqlite:///laptop/mlflow.db "
+        "tracking.artifact_root=laptop/artifacts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    imp.add_argument("archive", type=_path, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
+    imp.add_argument("overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=...")
     return p
 
 
@@ -1002,6 +1209,7 @@ def main(argv: list[str] | None = None) -> int:
         "ui": lambda: cmd_ui(args),
         "server": lambda: cmd_server(args),
         "dashboard": lambda: cmd_dashboard(args),
+        "study": lambda: cmd_study_export(args) if args.study_verb == "export" else cmd_study_import(args),
     }
     try:
         return handlers[args.verb]()

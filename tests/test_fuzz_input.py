@@ -151,6 +151,8 @@ BASES: dict[str, list[list[str]]] = {
         ["{root}/drafter", "--out", "{root}/exported", "--format", "native", STORE],
     ],
     "dashboard": [["--storage", "{root}/mlruns/optuna.journal"]],  # a storage named: no overrides
+    "study export": [["experiment=drift_2x2", STORE]],
+    "study import": [["{root}/study.tar.gz", STORE]],  # the drift_2x2 study, into the store it came from
 }
 
 
@@ -533,10 +535,12 @@ def _files(root: Path) -> dict[str, str]:
 def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     """tests/test_bad_input.py's recorded folder plus a drift_2x2 study (a parent run and one finished child)
     under exactly the overrides `lab report experiment=drift_2x2 <store>` composes, so that the report's base
-    case is valid, and a drafter checkpoint for `lab export`; its snapshot; and a folder for the spec files."""
+    case is valid, a drafter checkpoint for `lab export` and that study's archive for `lab study import`; its
+    snapshot; and a folder for the spec files."""
     from helpers import small_drafter
 
     from lab.drafter import save_native
+    from lab.track import transfer
 
     root = recorded
     save_native(small_drafter(), root / "drafter")  # what `lab export SOURCE` exports
@@ -551,6 +555,8 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
         child = {"study": exp.name, "arm": "eagle3", "seed": 0}
         with track.start_run(uri, art, sweep.experiment, "eagle3-0", child, parent_run_id=parent.id) as run:
             run.log_metrics({"eval/in_dist/ref/k3/al": 2.0})
+    study = {"kind": "experiment", "name": exp.name, "experiment": sweep.experiment}
+    transfer.export_study(uri, parent.id, root / "study.tar.gz", study)  # what `lab study import` reads
     before = snapshot(root)
     run_id = next(r for r, v in before["runs"].items() if v["tags"].get("study") == "recorded")  # no checkpoint
     return {"root": root, "run": run_id, "before": before, "specs": tmp_path_factory.mktemp("specs")}

@@ -218,6 +218,7 @@ SWEEP_ORDER = [
     "workers",
     "engine",
     "dashboard",
+    "transfer",  # the Optuna part of a study's archive (`lab study`)
 ]
 
 
