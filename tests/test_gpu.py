@@ -1,0 +1,190 @@
+"""The gpu tier (`pytest -m gpu`): every stage on CUDA with small shapes, in minutes, held to the CPU's float32.
+
+Where torch sees no GPU the whole module is skipped in one line (CI is CPU-only). `LAB_GPU_TIER_DEVICE=cpu`
+runs the tier on the CPU instead, to check the tier itself on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import perturb, small_drafter
+
+from lab.config import aux_layers, compose
+from lab.device import cuda_problem
+
+DEVICE = os.environ.get("LAB_GPU_TIER_DEVICE", "cuda")
+if DEVICE == "cuda" and cuda_problem():
+    pytest.skip(f"gpu tier: {cuda_problem()}", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def on_device(micro_overrides) -> list[str]:
+    return [*micro_overrides, f"device={DEVICE}"]
+
+
+@pytest.fixture(scope="module")
+def bf16_target(on_device, micro_target):
+    from lab.target import load
+
+    return load(compose([*on_device, "dtype=bfloat16"]), progress=False)
+
+
+@pytest.fixture(scope="module")
+def f32_target(on_device, micro_target):
+    from lab.target import load
+
+    return load(compose([*on_device, "dtype=float32"]), progress=False)
+
+
+def test_the_target_loads_in_bfloat16(bf16_target, micro_target):
+    """The built (float32, CPU) target loads on the device in bfloat16 and predicts what the CPU's float32 does."""
+    p = next(bf16_target.model.parameters())
+    assert (p.device.type, p.dtype) == (DEVICE, torch.bfloat16)
+    assert bf16_target.fingerprint.endswith("-bfloat16")
+    ids = torch.randint(0, micro_target.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = bf16_target.model(ids.to(DEV)).logits.float().cpu()
+        want = micro_target.model(ids).logits
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9  # bfloat16 rounding flips near-ties only
+
+
+def test_capture(f32_target, micro_target):
+    """The captured states on the device equal the CPU's (float32 both)."""
+    from lab.target import capture
+
+    ids = torch.randint(0, micro_target.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    layers = [1, 2, 3]
+    got = capture(f32_target.model, ids.to(DEV), layers)
+    want = capture(micro_target.model, ids, layers)
+    assert got.aux.device.type == DEVICE
+    torch.testing.assert_close(got.aux.cpu(), want.aux, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got.final.cpu(), want.final, rtol=1e-3, atol=1e-3)
+
+
+def test_regeneration_with_hf(f32_target, micro_target, tmp_path):
+    """`generator=hf` regenerates on the device the answers the CPU regenerates (float32 both)."""
+    from test_regenerate import CONVERSATIONS, run
+
+    from lab.target.chat_template import HandChat
+
+    chat = HandChat(micro_target.tokenizer, "chatml")
+    got = run(f32_target, chat, tmp_path / "dev", dtype="float32")
+    want = run(micro_target, chat, tmp_path / "cpu")
+    assert got.stats["generated_tokens"] > 0
+    assert [c.messages for c in got.conversations] == [c.messages for c in want.conversations]
+    assert len(got.conversations) == len(CONVERSATIONS)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ttt_attention_kernel_equals_the_cpu_kernel(kv_heads):
+    """The device's fused TTT attention (with the diagonal joined through its log-sum-exp) equals CPU's fused
+    kernel, values and gradients, over padded rows, grouped-query heads and diagonal steps."""
+    from test_ttt_attention import _case, _run
+
+    from lab.drafter.ttt_attention import CPU_FLASH, kernel_for
+
+    for layout, steps in [("dense", 0), ("padded", 2)]:
+        tensors, future, lay = _case(layout, 2 // kv_heads, steps)
+        want, want_grads = _run(CPU_FLASH, tensors, future, lay)
+        moved = [None if x is None else x.to(DEV) for x in tensors]
+        dev_layout = None if lay is None else (lay[0].to(DEV), lay[1].to(DEV), lay[2])
+        got, got_grads = _run(kernel_for(DEV), moved, future.to(DEV), dev_layout)
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-4, atol=2e-4)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=2e-4, atol=2e-4)
+
+
+def test_native_training(micro_cfg, micro_target, micro_hidden, f32_target, bf16_target):
+    """One TTT loss and its gradients on the device equal the CPU's (float32); a few bfloat16 steps train."""
+    from lab.drafter import init_drafter
+    from lab.train.ttt import train, ttt_loss
+
+    torch.manual_seed(0)
+    cpu = perturb(small_drafter(num_kv_heads=1, num_layers=2, norm_output=True, fc_norm="per_layer"))
+    dev = perturb(small_drafter(num_kv_heads=1, num_layers=2, norm_output=True, fc_norm="per_layer")).to(DEV)
+    dev.load_state_dict(cpu.state_dict())
+    g = torch.Generator().manual_seed(0)
+    b, t, vocab, hidden = 3, 64, cpu.spec.vocab_size, cpu.spec.hidden_size
+    batch = [
+        torch.randint(0, vocab, (b, t), generator=g),
+        torch.randn(b, t, 3 * hidden, generator=g),
+        torch.randn(b, t, hidden, generator=g),
+        torch.randn(vocab, hidden, generator=g),
+    ]
+    mask = (torch.rand(b, t, generator=g) < 0.5).to(torch.uint8)
+    want = ttt_loss(cpu, *batch, 3, 0.8, mask)
+    got = ttt_loss(dev, *(x.to(DEV) for x in batch), 3, 0.8, mask.to(DEV))
+    torch.testing.assert_close(got.loss.cpu(), want.loss, rtol=1e-4, atol=1e-5)
+    want.loss.backward()
+    got.loss.backward()
+    for (name, p), q in zip(cpu.named_parameters(), dev.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-3, atol=1e-5, msg=f"gradient of {name}")
+
+    drafter = init_drafter(bf16_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
+    assert drafter.fc.weight.device.type == DEVICE
+    tcfg = micro_cfg.train.copy()
+    tcfg.steps = 8
+    result = train(drafter, micro_hidden, bf16_target.lm_head_weight, tcfg, seed=0, progress=False)
+    assert result.steps == 8 and all(torch.isfinite(p).all() for p in drafter.parameters())
+
+
+def test_reference_decoder_with_probes(micro_cfg, f32_target, bf16_target):
+    """Speculative decoding on the device is lossless (float32: the target's own greedy output) with the drift
+    probes on, and runs in bfloat16."""
+    from lab.data.suites import build_suite
+    from lab.drafter import init_drafter
+    from lab.eval.probes import DriftProbes
+    from lab.eval.reference import speculative_decode, target_decode
+
+    prompts = build_suite("in_dist", f32_target.tokenizer, micro_cfg).prompts[:2]
+    for target in (f32_target, bf16_target):
+        drafter = init_drafter(target, micro_cfg.drafter, aux_layers(micro_cfg), seed=1).eval()
+        for prompt in prompts:
+            reference, _ = target_decode(target.model, prompt, 24)
+            probes = DriftProbes(3)
+            tokens, stats = speculative_decode(target.model, drafter, prompt, 24, 3, probes=probes)
+            if target is f32_target:
+                assert tokens == reference
+            assert stats.rounds > 0 and len(probes.curves()["sink_mass"]) == 3
+
+
+def test_export(micro_cfg, bf16_target, tmp_path):
+    """A drafter trained on the device saves, exports (`lab export`: native and speculators) and loads back on
+    the CPU, equal."""
+    from lab.drafter import init_drafter, load_checkpoint, save_native
+
+    drafter = init_drafter(bf16_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=2)
+    save_native(drafter, tmp_path / "ckpt")
+    said = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+         "--verifier", str(bf16_target.path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert said.returncode == 0, said.stderr[-3000:]
+    for folder in (tmp_path / "ckpt", *sorted(p for p in (tmp_path / "out").iterdir() if p.is_dir())):
+        back = load_checkpoint(folder)
+        for (name, p), q in zip(drafter.state_dict().items(), back.state_dict().values(), strict=True):
+            assert torch.equal(p.cpu(), q), (folder.name, name)
+
+
+@pytest.mark.slow
+def test_ablate_micro(on_device, tmp_path):
+    """`lab ablate experiment=drift_2x2 profile=micro` on the device: every arm, its report."""
+    store = [f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"tracking.artifact_root={tmp_path / 'art'}"]
+    overrides = [o for o in on_device if not o.startswith("tracking.")] + store
+    said = subprocess.run(
+        [sys.executable, "-m", "lab.cli", "ablate", "experiment=drift_2x2", "--seeds", "0", *overrides],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert said.returncode == 0, said.stderr[-3000:]
+    assert "ablation drift_2x2: 4 of 4 runs finished" in said.stdout
+    assert any((tmp_path / "reports" / "drift_2x2").iterdir())
