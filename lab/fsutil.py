@@ -1,12 +1,20 @@
-"""Small file-system helpers shared by the caches: locks, atomic publication, content hashes, worker logs."""
+"""Small file-system helpers shared by the caches: locks, atomic publication, content hashes, worker logs.
+
+Every file or folder the workbench publishes (caches, checkpoints, reports, archives) is written whole or not
+at all: written under a temp name beside its target, flushed to the disk (fsync), then renamed into place
+(`atomic_file`, `staging_dir`, `staged_output`). A full disk or a crash leaves the old version or nothing at
+the target's path, and at most a temp leftover beside it, which no reader looks at and the next write of the
+same target removes."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -57,35 +65,210 @@ def claim(path: Path) -> Iterator[bool]:
         os.close(fd)
 
 
+# What a write leaves beside its target while it runs: `.NAME.tmp-XXXXXXXX` (the new content, a file or a
+# folder) and, for a folder, `.NAME.old-XXXXXXXX` (the one it replaces, for a moment). Readers never look at
+# these names; a writer of NAME removes those whose writer is gone (see `clean_leftovers`).
+_LEFTOVER_KINDS = re.compile(r"(?:tmp|old)-[0-9a-f]{8}")
+
+
+def _sibling(final: Path, kind: str) -> Path:
+    return final.parent / f".{final.name}.{kind}-{uuid.uuid4().hex[:8]}"
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk. Before a rename it makes the rename publish
+    written bytes (and turns an error the disk reports late, at flush time, into a failed write); after a rename,
+    fsyncing the folder makes the new name itself survive a crash of the machine."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # some file systems cannot fsync a folder (EINVAL); a file's data is never skipped
+        if not (path.is_dir() and exc.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under `root` (folders after what they hold), `root` last."""
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in files + dirs:
+            if not os.path.islink(os.path.join(folder, name)):
+                fsync_path(Path(folder) / name)
+    fsync_path(root)
+
+
+def _locked_temp(final: Path, folder: bool) -> tuple[Path, int]:
+    """A new temp sibling of `final` (a file or a folder) and an open descriptor holding its flock, which
+    marks it as in use until the descriptor closes (with the process, however it ends)."""
+    while True:
+        tmp = _sibling(final, "tmp")
+        try:
+            if folder:
+                tmp.mkdir()
+                fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+            else:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileNotFoundError:
+            if not final.parent.is_dir():
+                raise
+            continue  # a cleaner took the new name for a leftover before we locked it: another name
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def clean_leftovers(final: Path) -> list[Path]:
+    """Remove what interrupted writes of `final` left beside it (see `_LEFTOVER_KINDS`), skipping any that a
+    live writer still holds; what was removed. Only names made from `final`'s are touched, so a folder's
+    other files, even dot-files, are never at risk."""
+    prefix = f".{final.name}."
+    try:
+        names = os.listdir(final.parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        if not (name.startswith(prefix) and _LEFTOVER_KINDS.fullmatch(name[len(prefix) :])):
+            continue
+        path = final.parent / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a writer is at work on it
+        try:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def replace_dir(src: Path, final: Path) -> None:
+    """Publish the finished folder `src` (a sibling of `final`) as `final`: flushed to the disk first, then
+    renamed into place. An existing `final` is renamed aside just before and removed after, so that the path
+    holds the old folder, nothing (between the two renames) or the new folder, never a mix of them."""
+    clean_leftovers(final)
+    fsync_tree(src)
+    old = None
+    if os.path.lexists(final):
+        old = _sibling(final, "old")
+        os.replace(final, old)
+    os.replace(src, final)
+    fsync_path(final.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def staging_dir(final: Path) -> Iterator[Path]:
-    """Build into a sibling temp dir and rename it into place only if the body succeeds. An existing
-    `final` is renamed aside first, so that the path holds the old or the new content, never a mix."""
+    """Build into a sibling temp folder and publish it as `final` (`replace_dir`) only if the body succeeds:
+    `final` holds the old or the new content, never a mix. A failed body's folder is removed; a killed one's
+    is removed by the next write of `final`."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    clean_leftovers(final)
+    tmp, fd = _locked_temp(final, folder=True)
     try:
         yield tmp
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, final)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def temp_dir(beside: Path) -> Iterator[Path]:
+    """A scratch folder beside `beside` (on its disk), removed on exit; a killed process's is removed by the
+    next writer of `beside`, like any leftover of it."""
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(beside)
+    tmp, fd = _locked_temp(beside, folder=True)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
 
 
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
-    """A temp sibling to write, renamed onto `path` only if the body succeeds: readers of `path` see
-    the old or the new bytes, never a partial file."""
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    """A temp sibling to write, flushed to the disk and renamed onto `path` only if the body succeeds: readers
+    of `path` see the old or the new bytes, never a partial file. A failed body's temp is removed; a killed
+    one's is removed by the next write of `path`."""
+    clean_leftovers(path)
+    tmp, fd = _locked_temp(path, folder=False)
     try:
         yield tmp
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+        os.close(fd)
+
+
+_STAGING = "staging"  # `folder/.staging.tmp-XXXXXXXX`: an output staged inside a folder it shares
+
+
+def _holds_only(folder: Path, entries: tuple[str, ...]) -> bool:
+    """Whether `folder` holds nothing but `entries` and leftovers of writing them (a folder a writer of
+    `entries` owns and may replace whole)."""
+    leftover = re.compile(rf"\.(?:{'|'.join(map(re.escape, (*entries, _STAGING)))})\.{_LEFTOVER_KINDS.pattern}")
+    return all(name in entries or leftover.fullmatch(name) for name in os.listdir(folder))
+
+
+@contextlib.contextmanager
+def staged_output(folder: Path, entries: tuple[str, ...]) -> Iterator[Path]:
+    """Build an output of several files, `entries` (the names it writes into `folder`: files or folders), in a
+    staging folder, and publish it only if the body succeeds. Where `folder` is absent, or holds nothing but
+    `entries`, the staging folder becomes `folder` (`staging_dir`): the old output, none, or the new one,
+    never a mix. Where `folder` holds other things too (a user's own folder, or the working directory), those
+    stay: the entries are moved in one by one in the order given (each one whole), so an output whose last
+    entry checks the others (a manifest of hashes) is never taken for whole when it is not."""
+    folder = Path(folder)
+    shared = os.path.lexists(folder) and (
+        folder.is_symlink()
+        or not folder.is_dir()
+        or Path.cwd().resolve().is_relative_to(folder.resolve())
+        or not _holds_only(folder, entries)
+    )
+    if not shared:
+        with staging_dir(folder) as tmp:
+            yield tmp
+        return
+    anchor = folder / _STAGING
+    clean_leftovers(anchor)
+    tmp, fd = _locked_temp(anchor, folder=True)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        for name in entries:
+            src, dst = tmp / name, folder / name
+            if src.is_dir():
+                replace_dir(src, dst)
+            elif os.path.lexists(src):
+                clean_leftovers(dst)
+                os.replace(src, dst)
+        fsync_path(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
 
 
 def read_manifest(folder: Path, name: str = "manifest.json") -> dict | None:

@@ -4,8 +4,9 @@ Layout: `{cache_dir}/hidden/{key}/shard_00000.safetensors ... manifest.json`. Ea
 `input_ids` [n, T] (int32), `loss_mask` [n, T] (uint8), `aux` [n, T, A*H] and `final` [n, T, H]
 (bfloat16). The key hashes the target fingerprint, the data config and the captured layer ids; the
 manifest records each shard's sha256, checked on every load (a corrupted or truncated shard triggers
-a rebuild, never silent use). A build writes its shards into `{key}.partial/` first, so an interrupted
-build resumes from the shards it finished.
+a rebuild, never silent use). A build writes its shards into `{key}.partial/` first (each through a temp
+name, flushed, then renamed), so an interrupted build resumes from the shards it finished, and renames that
+folder onto `{key}` once it holds every shard and the manifest: an entry is whole or absent.
 
 The held-out rollout's side of the target (`heldout_states`) is cached beside it, once per target, held-out
 set and captured layers: `{cache_dir}/heldout/{key}/states.safetensors` (`input_ids` int32, `aux` in the
@@ -18,8 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +31,16 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from lab.data.text import Sequences
-from lab.fsutil import atomic_file, file_lock, mismatched_file, read_manifest, sha256_file, short_hash, staging_dir
+from lab.fsutil import (
+    atomic_file,
+    file_lock,
+    mismatched_file,
+    read_manifest,
+    replace_dir,
+    sha256_file,
+    short_hash,
+    staging_dir,
+)
 from lab.target import Target, capture, chunked_argmax, target_logits
 from lab.target.capture import Captured
 
@@ -164,22 +172,23 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
             }
         )
     bar.close()
-    with staging_dir(path) as tmp:
-        for shard in shards:
-            os.replace(partial / shard["file"], tmp / shard["file"])
-        manifest = {
-            "key": key,
-            "format": FORMAT,
-            "target": target.fingerprint,
-            "aux_layers": list(aux_layers),
-            "num_sequences": len(sequences),
-            "seq_len": sequences.input_ids.shape[1],
-            "dtype": str(STORE_DTYPE),
-            "shards": shards,
-            "build_seconds": time.time() - started,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    shutil.rmtree(partial, ignore_errors=True)
+    manifest = {
+        "key": key,
+        "format": FORMAT,
+        "target": target.fingerprint,
+        "aux_layers": list(aux_layers),
+        "num_sequences": len(sequences),
+        "seq_len": sequences.input_ids.shape[1],
+        "dtype": str(STORE_DTYPE),
+        "shards": shards,
+        "build_seconds": time.time() - started,
+    }
+    with atomic_file(partial / MANIFEST) as tmp:
+        tmp.write_text(json.dumps(manifest, indent=1))
+    # the finished folder becomes the entry in one rename: a process killed before it leaves every shard in
+    # `{key}.partial/`, which the next build finds finished and publishes without a target forward (moving the
+    # shards one by one into a staging folder lost those moved when it was killed half-way)
+    replace_dir(partial, path)
     return manifest
 
 

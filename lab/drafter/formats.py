@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
-from lab.fsutil import atomic_file, mismatched_file, sha256_file
+from lab.fsutil import mismatched_file, sha256_file, staged_output
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -267,15 +267,14 @@ def _weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
 
 def _write(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # each file through a rename: an interrupted export leaves an old manifest that the new weights
-    # fail, never weights that pass unchecked
-    with atomic_file(out / WEIGHTS) as tmp:
-        save_file(state, str(tmp), metadata={"format": "pt"})
-    with atomic_file(out / CONFIG) as tmp:
-        tmp.write_text(json.dumps(config, indent=2) + "\n")
-    with atomic_file(out / MANIFEST) as tmp:
-        tmp.write_text(json.dumps({"files": {WEIGHTS: sha256_file(out / WEIGHTS)}}, indent=2) + "\n")
+    # staged, then published whole: a new or a checkpoint-only folder is replaced in one rename (a full disk or
+    # a kill leaves the old checkpoint or none); into a folder holding other files (never replaced) the weights,
+    # the config and then the manifest move in one by one, so that a checkpoint cut short there is whole or is
+    # refused on load (the new weights against the old manifest's hash, or no config), never a mix loaded
+    with staged_output(out, (WEIGHTS, CONFIG, MANIFEST)) as tmp:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps({"files": {WEIGHTS: sha256_file(tmp / WEIGHTS)}}, indent=2) + "\n")
     return out
 
 

@@ -4,18 +4,21 @@ PDF) and `report.md` assembling them with the study's provenance. Nothing is rer
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lab import metrics as keys
 from lab import track
 from lab.config import ConfigError
+from lab.fsutil import staged_output
 from lab.report import figures as fig_mod
 from lab.report import paired
 from lab.report import tables as tab_mod
 from lab.report.study import Study, load
 
 __all__ = ["Report", "Study", "find_parent", "load", "write"]
+
+REPORT_ENTRIES = ("tables", "figures", "report.md")  # what a report writes into its folder, report.md last
 
 
 @dataclass
@@ -131,12 +134,24 @@ def write(study: Study, figure_names: list[str], folder: Path, command: str) -> 
             f"unknown figure '{unknown[0]}'; available: {', '.join(fig_mod.FIGURES)}",
         )
     tables = tab_mod.build(study)
-    (folder / "tables").mkdir(parents=True, exist_ok=True)
-    for t in tables:
-        (folder / "tables" / f"{t.name}.md").write_text(tab_mod.markdown(t))
-        (folder / "tables" / f"{t.name}.tex").write_text(tab_mod.latex(t))
-        (folder / "tables" / f"{t.name}.csv").write_text(tab_mod.to_csv(t))
-    figures = fig_mod.draw(study, figure_names, folder / "figures")
+    # staged and published whole: a full disk or a kill leaves the old report or none, never new tables
+    # beside an old report.md (or a truncated figure); the rerun writes it all again
+    with staged_output(folder, REPORT_ENTRIES) as stage:
+        (stage / "tables").mkdir()
+        for t in tables:
+            (stage / "tables" / f"{t.name}.md").write_text(tab_mod.markdown(t))
+            (stage / "tables" / f"{t.name}.tex").write_text(tab_mod.latex(t))
+            (stage / "tables" / f"{t.name}.csv").write_text(tab_mod.to_csv(t))
+        drawn = fig_mod.draw(study, figure_names, stage / "figures")
+        (stage / "report.md").write_text(_page(study, command, tables, drawn))
+    figures = [replace(f, files=[folder / "figures" / p.name for p in f.files]) for f in drawn]
+    report = Report(folder, tables, figures)
+    track.log_artifacts(study.uri, study.parent.info.run_id, folder, "report")
+    return report
+
+
+def _page(study: Study, command: str, tables: list[tab_mod.Table], figures: list[fig_mod.Figure]) -> str:
+    """report.md: the provenance, the tables, the figures and the runs."""
     lines = [f"# {study.name}: {study.description}".rstrip(": "), "", "## Provenance", "", *_provenance(study, command)]
     lines += ["", "## Tables", ""]
     if not tables:
@@ -153,7 +168,4 @@ def write(study: Study, figure_names: list[str], folder: Path, command: str) -> 
     for f in figures:
         lines += [f"![{f.name}](figures/{f.name}.png)", "", f"*{f.caption}* ([PDF](figures/{f.name}.pdf))", ""]
     lines += ["## Runs", "", *_run_table(study), ""]
-    report = Report(folder, tables, figures)
-    report.path.write_text("\n".join(lines))
-    track.log_artifacts(study.uri, study.parent.info.run_id, folder, "report")
-    return report
+    return "\n".join(lines)

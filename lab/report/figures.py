@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from lab import metrics as keys  # noqa: E402
+from lab.fsutil import atomic_file  # noqa: E402
 from lab.report import paired  # noqa: E402
 from lab.report.study import Arm, Study  # noqa: E402
 
@@ -371,8 +372,12 @@ def draw(study: Study, names: list[str], folder: Path) -> list[Figure]:
                 continue
             fig, caption = made
             files = [folder / f"{name}.png", folder / f"{name}.pdf"]
-            fig.savefig(files[0], dpi=300, metadata={"Software": None})
-            fig.savefig(files[1], metadata={"CreationDate": None, "Producer": None, "Creator": None})
+            # each file whole or not at all (a full disk mid-way leaves no truncated figure); the temp name
+            # has no suffix to take the format from, so it is named
+            with atomic_file(files[0]) as tmp:
+                fig.savefig(tmp, format="png", dpi=300, metadata={"Software": None})
+            with atomic_file(files[1]) as tmp:
+                fig.savefig(tmp, format="pdf", metadata={"CreationDate": None, "Producer": None, "Creator": None})
             plt.close(fig)
             out.append(Figure(name, caption, files))
     return out

@@ -36,7 +36,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunS
 from mlflow.tracking import MlflowClient
 
 from lab.config import redact
-from lab.fsutil import atomic_file, sha256_file
+from lab.fsutil import atomic_file, sha256_file, temp_dir
 from lab.track import _equals, _no_progress_bar, configure, ensure_experiment, git_commit, local_paths
 
 FORMAT = "lab-study-archive"
@@ -116,17 +116,18 @@ def export_study(
     optuna: dict[str, Any] | None = None,
 ) -> Exported:
     """Write the study under `parent_run_id` (the parent and every child run) into the archive `out`, atomically
-    (a temporary sibling renamed into place: a killed export leaves no partial archive). `study` is recorded in
-    the manifest as it is; `extra_files` (archive name -> local file) are carried too, e.g. the Optuna study
-    that `optuna` describes."""
+    (a temporary sibling, flushed to the disk and renamed into place: a full disk or a killed export leaves the
+    archive that was there, or none, never a partial one). `study` is recorded in the manifest as it is;
+    `extra_files` (archive name -> local file) are carried too, e.g. the Optuna study that `optuna` describes."""
     configure(uri)
     client = MlflowClient()
     parent = client.get_run(parent_run_id)
     children = _search(client, [parent.info.experiment_id], _equals(f"tags.`{PARENT_TAG}`", parent_run_id))
     children.sort(key=lambda r: (r.info.start_time or 0, r.info.run_id))
     runs = [parent, *children]
-    with tempfile.TemporaryDirectory(prefix="lab-export-") as tmp:
-        staging = Path(tmp)
+    # staged beside the archive (on its disk, not /tmp): a killed export's copy of the runs is a leftover of
+    # `out`, removed by the next export to it
+    with temp_dir(out) as staging:
         left_out = 0
         for run in runs:
             left_out += _stage_run(client, run, staging, parent_run_id, with_checkpoints)
@@ -149,7 +150,6 @@ def export_study(
             "files": {name: sha256_file(staging / name) for name in files},
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(out) as partial:
             with tarfile.open(partial, "w:gz", compresslevel=6) as tar:
                 for name in [MANIFEST, *files]:  # the manifest first: a reader knows the schema at once

@@ -106,7 +106,9 @@ class TrainState:
 
 
 def save(path: Path, state: TrainState) -> None:
-    """Write `state` to `path`, replacing what is there atomically (a crash leaves the old checkpoint)."""
+    """Write `state` to `path`, replacing what is there atomically: staged beside it, flushed, renamed into
+    place, so a full disk or a crash leaves the old checkpoint (or, killed between its two renames, none:
+    training then starts from scratch), never a partial one; a killed write's leftover is removed by the next."""
     with staging_dir(path) as tmp:
         save_file({k: v.contiguous() for k, v in state.model.items()}, str(tmp / "model.safetensors"))
         opt = {f"{i}.{name}": t.contiguous() for i, s in state.optimizer.items() for name, t in s.items()}
