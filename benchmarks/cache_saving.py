@@ -13,10 +13,11 @@ import sys
 import tempfile
 import time
 
-from lab.config import aux_layers, compose
+from lab.composition import compose
 from lab.data.cache import build_or_load
 from lab.data.text import training_sequences
 from lab.pipeline import set_threads
+from lab.shape import aux_layers
 from lab.target import load
 
 

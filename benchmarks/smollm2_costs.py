@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from lab.config import compose
+from lab.composition import compose
 from lab.data import conversations as convs
 from lab.drafter import init_drafter
 from lab.target import capture, load
-from lab.train.ttt import ttt_loss
+from lab.train.loss import ttt_loss
 
 AUX = [2, 15, 27]  # SmolLM2's default captured layers
 

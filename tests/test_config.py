@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from lab.config import CONFIG_DIR, ConfigError, aux_layers, compose, config_hash, flatten
+from lab.composition import CONFIG_DIR, compose
+from lab.config import ConfigError
+from lab.identity import config_hash, flatten
+from lab.shape import aux_layers
 
 
 def _group_entries():
@@ -134,6 +137,7 @@ BAD = [
     (["eval.vllm.concurrency=[1,0]"], "eval.vllm.concurrency", "positive"),
     (["eval.vllm.kv_cache_gib=0"], "eval.vllm.kv_cache_gib", "positive"),
     (["eval.vllm.throughput_suites=[indist]"], "eval.vllm.throughput_suites", "'indist' is not evaluated"),
+    (["train.autocast_bf16=true"], "train.autocast_bf16", "unknown config key"),  # retired: `dtype` is the knob
 ]
 
 
@@ -145,6 +149,27 @@ def test_bad_input_names_the_key_and_what_is_allowed(overrides, key, hint):
     assert message.startswith(key), message
     assert hint in message, message
     assert "\n" not in message
+
+
+def test_one_rule_engine_for_configs_and_spec_files(tmp_path):
+    """The config's fields and a spec file's are checked and said by lab/rules.py alike: a seed's bound is one
+    constant, and a bad value is `KEY: expected WHAT, got VALUE` in both, with the same words for the same
+    rules."""
+    from lab import rules
+    from lab.config import SEED
+    from lab.sweep import schema, spec
+
+    assert SEED["max"] == schema.SEEDS["max"] == rules.SEED_MAX
+    with pytest.raises(ConfigError) as config_error:
+        compose(["seed=-1"])
+    assert str(config_error.value) == f"seed: expected an integer in 0..{rules.SEED_MAX}, got -1"
+    path = tmp_path / "s.yaml"
+    path.write_text("space: {train.lr: [0.1]}\nobjectives: [eval/in_dist/ref/k3/al]\nseeds: [0, -1]\n")
+    with pytest.raises(ConfigError) as spec_error:
+        spec.load(str(path))
+    words = rules.words(list[int], schema.SEEDS)
+    assert str(spec_error.value) == f"{path}: seeds: expected {words}, got [0, -1]"
+    assert words == f"a non-empty list of distinct integers in 0..{rules.SEED_MAX}"
 
 
 def test_cli_exits_2_with_one_line(tmp_path):
@@ -167,7 +192,7 @@ def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
 
 
 def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_compose(tmp_path):
-    """compose reads no drafter file (lab/config.py imports nothing of the stages); `lab run`'s preflight and
+    """compose reads no drafter file (the config layer imports nothing of the stages); `lab run`'s preflight and
     a study's check of every point refuse a drafter.checkpoint that is not there, in one line naming it."""
     from lab.preflight import preflight
     from lab.sweep import spec
@@ -280,7 +305,7 @@ def _leaves(tree: dict, prefix: str = "") -> dict:
 
 
 def test_a_changed_default_bumps_the_hash_scheme():
-    from lab.config import CONFIG_HASH_SCHEME
+    from lab.identity import CONFIG_HASH_SCHEME
 
     if os.environ.get("LAB_WRITE_SCHEMA_SNAPSHOT") == "1":
         SCHEMA_SNAPSHOT.write_text(
@@ -291,7 +316,7 @@ def test_a_changed_default_bumps_the_hash_scheme():
     assert snapshot["scheme"] == CONFIG_HASH_SCHEME, f"CONFIG_HASH_SCHEME changed: {regenerate}"
     now = _leaves(_defaults_now())
     changed = {k: (v, now[k]) for k, v in _leaves(snapshot["defaults"]).items() if k in now and now[k] != v}
-    assert not changed, f"defaults changed meaning {changed}: bump CONFIG_HASH_SCHEME in lab/config.py, {regenerate}"
+    assert not changed, f"defaults changed meaning {changed}: bump CONFIG_HASH_SCHEME in lab/identity.py, {regenerate}"
 
 
 def test_a_key_added_with_a_default_keeps_the_hash():
@@ -301,6 +326,7 @@ def test_a_key_added_with_a_default_keeps_the_hash():
     del recorded["eval"]["vllm"]["timeout_s"]
     del recorded["suites"]["template"]["templates"]
     del recorded["device"], recorded["dtype"]
+    recorded["train"]["autocast_bf16"] = False  # as recorded before the key was retired (lab/identity.py RETIRED)
     assert config_hash(recorded) == config_hash(cfg)
     assert config_hash(compose(["drafter=eagle31", "train.steps=8", "seed=3"])) != config_hash(cfg)
     assert config_hash(
@@ -320,7 +346,7 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
     """A run recorded before a key existed still matches a fresh composition; a run keyed by the old scheme
     is named by `lab doctor` in one line and re-keyed by `lab doctor --rekey` from its logged config."""
     from lab import track
-    from lab.config import CONFIG_HASH_SCHEME
+    from lab.identity import CONFIG_HASH_SCHEME
 
     uri, root = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
     overrides = ["target=micro", "data=micro", "drafter=eagle31", "train.steps=7"]

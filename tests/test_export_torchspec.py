@@ -1,5 +1,6 @@
-"""`lab export torchspec-config`: a TorchSpec training YAML and draft-model JSON for one arm; the arms
-TorchSpec cannot train refused in one line; checked against TorchSpec itself where it is installed."""
+"""`lab torchspec-config`: a TorchSpec training YAML and draft-model JSON for one arm; the arms TorchSpec cannot
+train refused in one line; the verb's former spelling `lab export torchspec-config` refused in one line naming
+it; checked against TorchSpec itself where it is installed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 import yaml
 
 from lab.cli import main
-from lab.config import compose, config_hash
+from lab.composition import compose
+from lab.identity import config_hash
 
 MICRO = ["profile=micro"]
 TORCHSPEC_MISSING = "TorchSpec is not installed: docs/torchspec.md says how to install it and run this test"
@@ -20,7 +22,7 @@ TORCHSPEC_MISSING = "TorchSpec is not installed: docs/torchspec.md says how to i
 
 def export(tmp_path: Path, *args: str, name: str = "out") -> tuple[int, Path]:
     out = tmp_path / name
-    rc = main(["export", "torchspec-config", *args, f"cache_dir={tmp_path / 'cache'}", "--out", str(out)])
+    rc = main(["torchspec-config", *args, f"cache_dir={tmp_path / 'cache'}", "--out", str(out)])
     return rc, out
 
 
@@ -141,18 +143,26 @@ def test_arms_torchspec_cannot_train_are_refused_in_one_line(tmp_path, capsys, a
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["torchspec-config", "--format", "native"], "error: --format: exports a trained drafter"),
+        (["torchspec-config", "--format", "native"], "error: --format: unrecognized"),
         (["torchspec-config", "--arm", "eagle31"], "error: --experiment: required with --arm"),
         (["torchspec-config", "--experiment", "drift_2x2", "--arm", "x"], "error: --arm: unknown arm 'x'"),
-        (["RUN_ID", "--data", "x.jsonl"], "error: --data: only with `lab export torchspec-config"),
-        (["drafter=eagle31"], "error: SOURCE: 'drafter=eagle31' is an override"),
+        (["export", "RUN_ID", "--data", "x.jsonl"], "error: --data x.jsonl: unrecognized"),
+        (["export", "drafter=eagle31"], "error: SOURCE: 'drafter=eagle31' is an override"),
+        (["export", "torchspec-config", "drafter=eagle31"], "error: export torchspec-config: now a verb of its own"),
+        (["export", "--k", "3", "torchspec-config"], "error: export torchspec-config: now a verb of its own"),
     ],
-    ids=["format", "arm_alone", "unknown_arm", "data_for_a_run", "override_as_source"],
+    ids=["format", "arm_alone", "unknown_arm", "data_for_a_run", "override_as_source", "old_verb", "old_verb_later"],
 )
 def test_a_wrong_combination_is_one_line(tmp_path, capsys, argv, message):
-    assert main(["export", *argv, "--out", str(tmp_path / "out")]) == 2
+    try:
+        rc = main([*argv, "--out", str(tmp_path / "out")])
+    except SystemExit as exc:  # argparse's errors (an option the verb does not take)
+        rc = exc.code
+    assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+    if "now a verb" in message:
+        assert "`lab torchspec-config [overrides] --out DIR" in err
 
 
 def test_exporting_a_trained_drafter_still_works(tmp_path, capsys):

@@ -17,10 +17,11 @@ import torch
 from helpers import default_sigint, small_drafter
 
 from lab import track
-from lab.config import aux_layers, compose
+from lab.composition import compose
 from lab.drafter import load_checkpoint, save_native
 from lab.drafter.formats import MANIFEST as DRAFTER_MANIFEST
 from lab.fsutil import sha256_file
+from lab.shape import aux_layers
 from lab.train import resume
 from lab.train.ttt import HOLD_ENV
 

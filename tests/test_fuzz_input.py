@@ -53,7 +53,9 @@ import yaml
 from test_bad_input import _overrides, recorded, snapshot  # noqa: F401  (recorded: a fixture)
 
 from lab import cli, track
-from lab.config import Config, compose, strip_optional
+from lab.composition import compose
+from lab.config import Config
+from lab.rules import strip_optional
 from lab.sweep import experiment, schema
 
 SEED = int(os.environ.get("LAB_FUZZ_SEED", "21"))
@@ -146,10 +148,8 @@ BASES: dict[str, list[list[str]]] = {
     "ablate": [["experiment=drift_2x2", STORE]],
     "sweep": [["sweep=tpe_eagle3", STORE]],
     "report": [["experiment=drift_2x2", STORE]],
-    "export": [
-        ["torchspec-config", "--out", "{root}/ts", STORE],
-        ["{root}/drafter", "--out", "{root}/exported", "--format", "native", STORE],
-    ],
+    "export": [["{root}/drafter", "--out", "{root}/exported", "--format", "native", STORE]],
+    "torchspec-config": [["--out", "{root}/ts", STORE]],
     "dashboard": [["--storage", "{root}/mlruns/optuna.journal"]],  # a storage named: no overrides
     "study export": [["experiment=drift_2x2", STORE]],
     "study import": [["{root}/study.tar.gz", STORE]],  # the drift_2x2 study, into the store it came from

@@ -14,8 +14,9 @@ import pytest
 import torch
 from helpers import perturb, small_drafter
 
-from lab.config import aux_layers, compose
+from lab.composition import compose
 from lab.device import cuda_problem
+from lab.shape import aux_layers
 
 DEVICE = os.environ.get("LAB_GPU_TIER_DEVICE", "cuda")
 if DEVICE == "cuda" and cuda_problem():
@@ -105,7 +106,8 @@ def test_ttt_attention_kernel_equals_the_cpu_kernel(kv_heads):
 def test_native_training(micro_cfg, micro_target, micro_hidden, f32_target, bf16_target):
     """One TTT loss and its gradients on the device equal the CPU's (float32); a few bfloat16 steps train."""
     from lab.drafter import init_drafter
-    from lab.train.ttt import train, ttt_loss
+    from lab.train.loss import ttt_loss
+    from lab.train.ttt import train
 
     torch.manual_seed(0)
     cpu = perturb(small_drafter(num_kv_heads=1, num_layers=2, norm_output=True, fc_norm="per_layer"))

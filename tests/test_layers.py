@@ -13,7 +13,8 @@ LAB = ROOT / "lab"
 EVERYTHING = {"config", "metrics", "base", "target", "data", "drafter", "train", "eval", "track", "preflight"}
 EVERYTHING |= {"pipeline", "sweep", "report"}
 # layer: the other layers its modules may import. docs/design.md's "Import rules" table says the same; the
-# last test keeps the two equal. `config` and `metrics` (the metric keys) import nothing of lab.
+# last test keeps the two equal. `config` (the schema and its own modules, CONFIG_ORDER) and `metrics` (the
+# metric keys) import nothing of lab besides themselves.
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "metrics": set(),
@@ -31,11 +32,21 @@ ALLOWED: dict[str, set[str]] = {
     "cli": EVERYTHING,
 }
 BASE = {"lab", "lab.fsutil", "lab.assets", "lab.schedule", "lab.device"}
+# the config layer in the order its modules import each other: each imports only those before it (docs/design.md)
+CONFIG_ORDER = [
+    "rules",  # the rule engine of the config's and the spec files' schemas
+    "config",  # the schema, its enums, ConfigError and constants
+    "shape",  # the target's shape from the config and a HF folder's config.json
+    "validation",  # checks of a whole config
+    "composition",  # Hydra composition and its one-line errors
+    "identity",  # flatten, config_hash, arm_name
+]
+CONFIG_LAYER = {f"lab.{name}" for name in CONFIG_ORDER}
 
 
 def layer(module: str) -> str | None:
     """The layer of a module of `lab`: config, base, a stage's package, or one of the modules above them."""
-    if module == "lab.config":
+    if module in CONFIG_LAYER:
         return "config"
     if module in BASE:
         return "base"
@@ -150,7 +161,20 @@ def test_no_layer_imports_a_later_one():
 
 
 def test_config_and_metrics_import_nothing_of_lab():
-    assert [e for e in imports(LAB) if e[0] in ("lab.config", "lab.metrics")] == []
+    """metrics imports nothing of lab; the config layer's modules only those before them in CONFIG_ORDER."""
+    assert [e for e in imports(LAB) if e[0] == "lab.metrics"] == []
+    rank = {f"lab.{name}": i for i, name in enumerate(CONFIG_ORDER)}
+    wrong = [
+        f"{where}: {a} -> {b}" for a, b, where in imports(LAB) if a in rank and (b not in rank or rank[b] >= rank[a])
+    ]
+    assert not wrong, "config layer modules importing other than an earlier one (CONFIG_ORDER):\n" + "\n".join(wrong)
+
+
+def test_the_design_states_the_same_config_order():
+    text = (ROOT / "docs" / "design.md").read_text()
+    bullet = " ".join(text.split("- The config layer's modules import one way", 1)[1].split("\n- ", 1)[0].split())
+    stated = re.findall(r"`lab/([a-z_]+)\.py`", bullet.split("before it in", 1)[1].split(". ", 1)[0])
+    assert stated == CONFIG_ORDER
 
 
 def test_the_checker_finds_circles_and_later_stages(tmp_path):
@@ -184,7 +208,8 @@ def test_the_checker_finds_circles_and_later_stages(tmp_path):
 
 
 def test_config_knows_the_chat_templates_by_name():
-    """lab/config.py validates template names without importing the target stage: its list is chat.py's."""
+    """lab/validation.py checks template names without importing the target stage: lab/config.py's list is
+    chat.py's."""
     from lab.config import TEMPLATE_NAMES
     from lab.target.chat import TEMPLATES
 
@@ -209,6 +234,7 @@ SWEEP_ORDER = [
     "specfile",
     "spec",
     "experiment",
+    "find",  # a study's parent run, its seeds, an arm's config, in a store (the CLI's look-ups)
     "optuna_adapter",  # the only module that touches Optuna's private API
     "storage",
     "queue",
@@ -233,8 +259,8 @@ def test_sweep_modules_import_one_way():
     assert not backwards, "lab/sweep/ modules importing a later one (SWEEP_ORDER):\n" + "\n".join(backwards)
 
 
-def test_the_spec_schema_imports_nothing_of_lab():
-    assert [e for e in imports(LAB) if e[0] == "lab.sweep.schema"] == []
+def test_the_spec_schema_imports_only_the_rule_engine():
+    assert {e[1] for e in imports(LAB) if e[0] == "lab.sweep.schema"} == {"lab.rules"}
 
 
 # Optuna's private API: underscored attributes (`_trial_id`, ...) and what optuna.storages does not export

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import small_drafter
+from helpers import rollout_accuracy, small_drafter
 
-from lab.config import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import Eagle3Drafter, init_drafter
 from lab.eval.probes import (
     DriftProbes,
     chunked_argmax,
     fc_share,
-    rollout_accuracy,
     rollout_counts,
     shuffled_rollout_counts,
 )
 from lab.eval.reference import speculative_decode
+from lab.shape import aux_layers
 from lab.target import capture
 
 

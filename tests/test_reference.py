@@ -6,13 +6,13 @@ import itertools
 
 import pytest
 import torch
+from helpers import evaluate_suite
 
-from lab.config import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
 from lab.eval.probes import unrolled_rounds
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
-from lab.eval.run import evaluate_suite
+from lab.shape import aux_layers
 from lab.target import capture
 
 TOGGLES = list(itertools.product(["none", "per_layer", "concat"], [False, True], ["rmsnorm", "layernorm"]))
@@ -271,7 +271,8 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
 
 def heldout_metrics_of(target, drafter, heldout) -> list[float]:
     """The rollout accuracy as `rollout_accuracy` computes it over the whole batch."""
-    from lab.eval.probes import rollout_accuracy
+    from helpers import rollout_accuracy
+
     from lab.target import capture, target_logits
 
     cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)

@@ -220,12 +220,12 @@ def test_an_edited_profile_makes_another_study(tmp_path, monkeypatch):
     """The same overrides name the profile, but it now trains otherwise: the study's runs must not mix."""
     import shutil
 
-    from lab import config
+    from lab import composition
     from lab.sweep import experiment
 
     configs = tmp_path / "configs"
-    shutil.copytree(config.CONFIG_DIR, configs)
-    monkeypatch.setattr(config, "CONFIG_DIR", configs)
+    shutil.copytree(composition.CONFIG_DIR, configs)
+    monkeypatch.setattr(composition, "CONFIG_DIR", configs)
     extra = ["profile=micro"]
     sweep = experiment.load("drift_2x2").as_sweep(extra)
     key = sweep.key(extra)

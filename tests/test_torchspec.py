@@ -16,11 +16,13 @@ import torch
 from helpers import perturb
 from omegaconf import OmegaConf
 
-from lab.config import ConfigError, compose
+from lab.composition import compose
+from lab.config import ConfigError
 from lab.data.cache import HiddenStates
 from lab.drafter import DrafterSpec, Eagle3Drafter, save_native
 from lab.drafter.unroll import unroll
-from lab.train.ttt import train, ttt_loss
+from lab.train.loss import ttt_loss
+from lab.train.ttt import train
 
 
 def _torchspec_importable() -> bool:
@@ -202,8 +204,13 @@ def test_backend_trains_the_drafters_own_weights(tmp_path):
 
 @pytest.mark.skipif(HAVE_TORCHSPEC, reason="TorchSpec is installed here")
 def test_torchspec_backend_refused_without_torchspec():
+    """Whether TorchSpec is installed is the machine's matter: composing takes the config, `lab run`'s
+    preflight and a study's check of each point (check_environment) refuse it in one line."""
+    from lab.preflight import check_environment
+
+    cfg = compose(["target=micro", "data=micro", "train=quick", "train.backend=torchspec"])
     with pytest.raises(ConfigError) as err:
-        compose(["target=micro", "data=micro", "train=quick", "train.backend=torchspec"])
+        check_environment(cfg)
     message = str(err.value)
     assert message.startswith("train.backend: torchspec: TorchSpec is not importable")
     assert "\n" not in message and "git clone https://github.com/torchspec-project/TorchSpec" in message

@@ -8,13 +8,14 @@ import pytest
 import torch
 from helpers import perturb
 
-from lab.config import aux_layers
 from lab.data.cache import HiddenStates
 from lab.drafter import init_drafter
 from lab.drafter.unroll import unroll
+from lab.shape import aux_layers
 from lab.train import resume
+from lab.train.loss import ttt_loss
 from lab.train.resume import Checkpointing
-from lab.train.ttt import simulated_acc_len, train, ttt_loss
+from lab.train.ttt import simulated_acc_len, train
 
 
 def test_simulated_acc_len():

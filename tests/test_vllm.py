@@ -9,14 +9,14 @@ import shutil
 
 import pytest
 import torch
+from helpers import evaluate_suite
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from lab.config import compose
+from lab.composition import compose
 from lab.data.suites import build_suite
 from lab.drafter import DrafterSpec, Eagle3Drafter, load_checkpoint, save_native
 from lab.eval import vllm_backend
-from lab.eval.run import evaluate_suite
 
 pytestmark = pytest.mark.slow
 K = 3

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lab.config import ConfigError, TargetKind, target_shape
+from lab.config import ConfigError, TargetKind
 from lab.drafter.formats import CheckpointError, CheckpointInfo, inspect_checkpoint
 from lab.drafter.model import DrafterSpec
+from lab.shape import target_shape
 
 KEY = "drafter.checkpoint"
 

@@ -104,22 +104,6 @@ def fc_share(drafter: Eagle3Drafter, aux: torch.Tensor) -> list[float]:
     return shares.flatten(1).mean(1).tolist()
 
 
-@torch.no_grad()
-def rollout_accuracy(
-    drafter: Eagle3Drafter,
-    input_ids: torch.Tensor,
-    aux: torch.Tensor,
-    target_top: torch.Tensor,
-    depth: int,
-    loss_mask: torch.Tensor | None = None,
-) -> list[float]:
-    """Teacher-forced top-1 agreement with the target at unrolled depth d = 1..depth (the drafter's
-    own feedback, as in training): input_ids [B, T], aux [B, T, A*H], target_top [B, T] the target's
-    argmax at each position; counted where loss_mask of the predicted token is 1 (all if None)."""
-    hits, counted = rollout_counts(drafter, input_ids, aux, target_top, depth, loss_mask)
-    return pooled_rollout_accuracy(hits, counted)
-
-
 def pooled_rollout_accuracy(hits: torch.Tensor, counted: torch.Tensor) -> list[float]:
     """Accuracy per depth from `rollout_counts`' per-sequence sums [depth, B]: hits / counted pooled over
     the sequences (a depth with nothing counted is 0)."""
@@ -135,7 +119,7 @@ def rollout_counts(
     depth: int,
     loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rollout_accuracy`'s counts per held-out sequence: (hits, counted), each [depth, B], the positions
+    """Teacher-forced rollout counts per held-out sequence: (hits, counted), each [depth, B], the positions
     where the drafter agreed with the target and the positions counted, at each unrolled depth."""
     t = input_ids.shape[1]
     if depth >= t - 1:

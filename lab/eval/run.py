@@ -43,23 +43,6 @@ def prompt_id(tokens: list[int]) -> str:
     return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
-def evaluate_suite(
-    target_model,
-    drafter: Eagle3Drafter,
-    suite: Suite,
-    ks: list[int],
-    progress: bool = True,
-    probes: bool = False,
-    n_sink: int = 1,
-    temperature: float = 0.0,
-    seed: int = 0,
-) -> Metrics:
-    """AL, acceptance curves, tokens/s and speedup over plain decoding of the target, per k, measured
-    side by side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too. A suite
-    with several variants also gets each variant's metrics under `{suite}.{variant}`."""
-    return evaluate_suite_prompts(target_model, drafter, suite, ks, progress, probes, n_sink, temperature, seed).metrics
-
-
 def evaluate_suite_prompts(
     target_model,
     drafter: Eagle3Drafter,
@@ -71,10 +54,13 @@ def evaluate_suite_prompts(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> Evaluation:
-    """`evaluate_suite`'s metrics and, per prompt (in the suite's order, as in `suites/{suite}.json`) and
-    k, the drafting rounds, accepted drafts, accepted drafts per position and, with `probes`, the drift
-    probes' sums (`DriftProbes`): AL = 1 + sum(accepted) / sum(rounds) over the prompts is the logged
-    `eval/{suite}/ref/k{k}/al`, and the probes' sums pooled the same way give the drift curves."""
+    """AL, acceptance curves, tokens/s and speedup over plain decoding of the target, per k, measured side by
+    side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too (a suite with several
+    variants also gets each variant's metrics under `{suite}.{variant}`). And, per prompt (in the suite's
+    order, as in `suites/{suite}.json`) and k, the drafting rounds, accepted drafts, accepted drafts per
+    position and, with `probes`, the drift probes' sums (`DriftProbes`): AL = 1 + sum(accepted) / sum(rounds)
+    over the prompts is the logged `eval/{suite}/ref/k{k}/al`, and the probes' sums pooled the same way give
+    the drift curves."""
     drafter.eval()
     # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
     target_decode(target_model, suite.prompts[0], 4)
@@ -170,12 +156,6 @@ class _Tally:
         return out
 
 
-def heldout_metrics(target, drafter: Eagle3Drafter, heldout: Sequences, depth: int, suite: str = "in_dist") -> Metrics:
-    """Teacher-forced rollout accuracy per depth (on the assistant's tokens) and the captured layers'
-    fc shares, on held-out conversations."""
-    return heldout_evaluation(target, drafter, heldout, depth, suite).metrics
-
-
 @torch.no_grad()
 def heldout_evaluation(
     target,
@@ -186,7 +166,8 @@ def heldout_evaluation(
     seed: int = 0,
     states: HeldoutStates | None = None,
 ) -> Evaluation:
-    """`heldout_metrics` and, per held-out sequence, the rollout's hits and counted positions per depth
+    """Teacher-forced rollout accuracy per depth (on the assistant's tokens) and the captured layers' fc shares,
+    on held-out conversations, and, per held-out sequence, the rollout's hits and counted positions per depth
     (`per_prompt/rollout.json`): sum(hits) / sum(counted) over the sequences is the logged accuracy. The
     target's side (its captured layers and argmax) comes from `states` (the cache stage's
     `heldout_states`) or, without them, from a capture here."""

@@ -17,7 +17,8 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from lab.config import OPTUNA_DB_PREFIXES, ConfigError, compose, redact
+from lab.composition import compose
+from lab.config import OPTUNA_DB_PREFIXES, ConfigError, redact
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.spec import Sweep, blame
 

@@ -35,7 +35,8 @@ from optuna.trial import TrialState
 
 from lab import metrics as keys
 from lab import track
-from lab.config import ConfigError, compose, redact
+from lab.composition import compose
+from lab.config import ConfigError, redact
 from lab.pipeline import warm_caches
 from lab.preflight import check_checkpoint
 from lab.sweep.heartbeat import recover_stale, worker_name

@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab import metrics as keys
-from lab.config import ConfigError, compose
+from lab.composition import compose
+from lab.config import ConfigError
+from lab.rules import SEED_MAX
 from lab.sweep import specfile
-from lab.sweep.schema import SEED_MAX, ExperimentSpec
+from lab.sweep.schema import ExperimentSpec
 from lab.sweep.spec import Objective, Param, Sweep, blame
 from lab.sweep.specfile import read_yaml
 

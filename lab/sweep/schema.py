@@ -1,71 +1,32 @@
 """The schema of a study's spec file, as OmegaConf structured dataclasses: `SweepSpec` (`sweeps/NAME.yaml`)
 and `ExperimentSpec` (`experiments/NAME.yaml`). Every key a file may hold is a field here, with its type,
-its default and, where its type does not say it all, a `rule`: what a good value is, in words (the error
-says it) and as a check. lab/sweep/specfile.py checks a parsed file against these classes.
+its default and, where its type does not say it all, its rules (`checked`, lab/rules.py's engine, the one the
+config schema uses): bounds and checks, and what a good value is in words (the error says it).
+lab/sweep/specfile.py checks a parsed file against these classes.
 
 A class's `EXPECTED` says what its mapping is, and `shorthand` (where there is one) expands the short form
 a file may write instead of the mapping (`sampler: tpe` for `sampler: {name: tpe}`).
 
-Like lab/config.py, this module imports nothing of `lab` (tests/test_layers.py checks).
+It imports nothing of `lab` but the rule engine (tests/test_layers.py checks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
+from lab.rules import SEED_MAX, checked
 
-def rule(expected: str, check: Callable[[Any], bool] | None = None, **kwargs: Any) -> Any:
-    """A dataclass field whose value (once its type is right) also passes `check`; `expected` says what a good
-    value is, for the one-line error about a bad one. A null value is not checked."""
-    return field(metadata={"expected": expected, "check": check}, **kwargs)
-
-
-def _positive(v: Any) -> bool:
-    return v > 0
-
-
-def _not_negative(v: Any) -> bool:
-    return v >= 0
-
-
-def _non_empty(v: Any) -> bool:
-    return len(v) > 0
-
-
-def _distinct_non_empty(v: Any) -> bool:
-    return len(v) > 0 and len(set(v)) == len(v)
-
-
-def _distinct(v: Any) -> bool:
-    return len(set(v)) == len(v)
-
-
-def _named_text(v: Any) -> bool:
-    return bool(v.strip())
-
-
-SEED_MAX = 2**32 - 1  # numpy's generators take seeds in 0..2**32 - 1 (lab/config.py says the same)
 MAX_TRIALS = 100_000  # a study's trials are queued one by one in its storage before any runs
-
-
-def _seeds(v: Any) -> bool:
-    return _distinct_non_empty(v) and all(0 <= s <= SEED_MAX for s in v)
-
-
-def _trials(v: Any) -> bool:
-    return 0 < v <= MAX_TRIALS
+# a list of seeds, as the config's `seed` bounds each (its words: "a non-empty list of distinct integers in 0..MAX")
+SEEDS = {"nonempty": True, "distinct": True, "min": 0, "max": SEED_MAX}
 
 
 def _distinct_metrics(v: Any) -> bool:
     return len(v) > 0 and len({o["metric"] for o in v}) == len(v)
-
-
-_SEEDS = f"a non-empty list of distinct integers in 0..{SEED_MAX}"
 
 
 class SamplerName(str, Enum):
@@ -103,13 +64,13 @@ class ParamSpec:
 
     EXPECTED: ClassVar[str] = "[values], {low, high[, log, step]} or {choices: {name: [overrides]}}"
 
-    values: list[Any] | None = rule("a non-empty list of values", _non_empty, default=None)
-    choices: dict[str, list[str]] | None = rule(
-        "a non-empty mapping of name -> [key=value overrides]", _non_empty, default=None
+    values: list[Any] | None = checked(None, expected="a non-empty list of values", nonempty=True)
+    choices: dict[str, list[str]] | None = checked(
+        None, expected="a non-empty mapping of name -> [key=value overrides]", nonempty=True
     )
     low: int | float | None = None
     high: int | float | None = None
-    step: int | float | None = rule("a number > 0", _positive, default=None)
+    step: int | float | None = checked(None, expected="a number > 0", above=0)
     log: bool = False
 
     @staticmethod
@@ -121,7 +82,7 @@ class ParamSpec:
 class ObjectiveSpec:
     EXPECTED: ClassVar[str] = "{metric: KEY, direction: maximize|minimize, reduce: last|mean|max|min}, or KEY alone"
 
-    metric: str = rule("a metric key, e.g. eval/in_dist/ref/k3/al", _named_text, default=MISSING)
+    metric: str = checked(MISSING, expected="a metric key, e.g. eval/in_dist/ref/k3/al", nonempty=True)
     direction: Direction = Direction.maximize
     reduce: Reduction = Reduction.last
 
@@ -172,28 +133,29 @@ class SweepSpec:
     EXPECTED: ClassVar[str] = "a mapping with space, objectives, sampler, ..."
 
     description: str | None = ""
-    space: dict[str, ParamSpec] = rule(
-        "a non-empty mapping of config key -> [values], {low, high[, log, step]} or {choices: {name: [overrides]}}",
-        _non_empty,
-        default=MISSING,
+    space: dict[str, ParamSpec] = checked(
+        MISSING,
+        expected="a non-empty mapping of config key -> [values], {low, high[, log, step]} or "
+        "{choices: {name: [overrides]}}",
+        nonempty=True,
     )
-    overrides: list[str] = rule(_OVERRIDES, default_factory=list)
+    overrides: list[str] = checked(factory=list, expected=_OVERRIDES)
     sampler: SamplerSpec = field(default_factory=lambda: SamplerSpec(name=SamplerName.tpe))
     pruner: PrunerSpec = field(default_factory=lambda: PrunerSpec(name=PrunerName.none))
-    objectives: list[ObjectiveSpec] = rule(
-        "a non-empty list of {metric: KEY, direction: maximize|minimize}, each metric once",
-        _distinct_metrics,
-        default=MISSING,
+    objectives: list[ObjectiveSpec] = checked(
+        MISSING,
+        expected="a non-empty list of {metric: KEY, direction: maximize|minimize}, each metric once",
+        check=_distinct_metrics,
     )
-    seeds: list[int] = rule(_SEEDS, _seeds, default_factory=lambda: [0])
-    trials: int | None = rule(
-        f"an integer in 1..{MAX_TRIALS} (the total budget of trials) or null", _trials, default=None
+    seeds: list[int] = checked(factory=lambda: [0], **SEEDS)
+    trials: int | None = checked(
+        None, expected=f"an integer in 1..{MAX_TRIALS} (the total budget of trials) or null", min=1, max=MAX_TRIALS
     )
     # the MLflow experiment; null: the sweep's name
-    study: str | None = rule("a non-empty MLflow experiment name or null", _named_text, default=None)
-    max_retry: int = rule("an integer >= 0 (retries of a trial whose worker died)", _not_negative, default=2)
-    heartbeat_s: float = rule("a number of seconds > 0", _positive, default=20.0)
-    grace_s: float = rule("a number of seconds > 0", _positive, default=120.0)  # no heartbeat this long: stale
+    study: str | None = checked(None, expected="a non-empty MLflow experiment name or null", nonempty=True)
+    max_retry: int = checked(2, expected="an integer >= 0 (retries of a trial whose worker died)", min=0)
+    heartbeat_s: float = checked(20.0, expected="a number of seconds > 0", above=0)
+    grace_s: float = checked(120.0, expected="a number of seconds > 0", above=0)  # no heartbeat this long: stale
 
 
 @dataclass
@@ -201,7 +163,7 @@ class ArmSpec:
     EXPECTED: ClassVar[str] = "{label: ..., overrides: [key=value, ...]}"
 
     label: str | None = None  # null: the arm's name
-    overrides: list[str] = rule(_OVERRIDES, default_factory=list)
+    overrides: list[str] = checked(factory=list, expected=_OVERRIDES)
 
 
 @dataclass
@@ -212,11 +174,11 @@ class ExperimentSpec:
 
     description: str | None = ""
     baseline: str | None = None  # an arm; null: the first one
-    seeds: list[int] = rule(_SEEDS, _seeds, default_factory=lambda: [0, 1, 2])
-    overrides: list[str] = rule(_OVERRIDES + " (every arm's)", default_factory=list)
-    arms: dict[str, ArmSpec] = rule(
-        "a non-empty mapping of arm name -> {label, overrides}", _non_empty, default=MISSING
+    seeds: list[int] = checked(factory=lambda: [0, 1, 2], **SEEDS)
+    overrides: list[str] = checked(factory=list, expected=_OVERRIDES + " (every arm's)")
+    arms: dict[str, ArmSpec] = checked(
+        MISSING, expected="a non-empty mapping of arm name -> {label, overrides}", nonempty=True
     )
-    figures: list[str] = rule(  # lab/report/figures.py's names
-        "a list of distinct figure names", _distinct, default_factory=list
+    figures: list[str] = checked(  # lab/report/figures.py's names
+        factory=list, expected="a list of distinct figure names", distinct=True
     )

@@ -31,9 +31,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab import metrics as keys
-from lab.config import ConfigError, compose, config_hash
+from lab.composition import compose
+from lab.config import ConfigError
 from lab.fsutil import short_hash
+from lab.identity import config_hash
 from lab.preflight import check_checkpoint, check_target
+from lab.rules import expected_got
 from lab.sweep import specfile
 from lab.sweep.schema import ParamSpec, SweepSpec
 from lab.sweep.specfile import read_yaml
@@ -327,7 +330,7 @@ def _param(where: str, name: str, spec: dict[str, Any]) -> Param:
     forms = [spec["values"] is not None, spec["choices"] is not None, is_range]
     if sum(forms) != 1 or (is_range and (spec["low"] is None or spec["high"] is None)):
         given = {k: v for k, v in spec.items() if v is not None and not (k == "log" and v is False)}
-        raise ConfigError(key, f"expected exactly one of {ParamSpec.EXPECTED}, got {specfile.shown(given)}")
+        raise ConfigError(key, expected_got(f"exactly one of {ParamSpec.EXPECTED}", given))
     if spec["values"] is not None:
         values = spec["values"]
         return Param(

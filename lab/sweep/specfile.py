@@ -8,7 +8,8 @@ The CLI prints it as `error: ...` and exits 2.
 
 OmegaConf converts and validates the values of each mapping of the file against its dataclass; this module
 walks the mappings itself (so that a key inside a list or a mapping of mappings is named exactly, which
-OmegaConf's own messages do not always do) and applies the schema's `rule`s.
+OmegaConf's own messages do not always do) and applies the schema's rules with lab/rules.py's engine, the one the
+config's `check_rules` uses, in the same words: `expected WHAT, got VALUE`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lab.config import ConfigError, expected_words, strip_optional
-
-_ABSENT = object()  # a required key the file does not have
+from lab import rules
+from lab.config import ConfigError
+from lab.rules import ABSENT, is_optional, strip_optional
 
 
 def read_yaml(path: Path, where: str) -> Any:
@@ -54,19 +55,7 @@ def check(schema: type, data: Any, where: str) -> dict[str, Any]:
 
 def bad(where: str, key: str, expected: str, value: Any) -> ConfigError:
     """The error about a bad value: `WHERE: KEY: expected EXPECTED, got VALUE`."""
-    return ConfigError(f"{where}: {key}" if key else where, f"expected {expected}, got {shown(value)}")
-
-
-def shown(value: Any) -> str:
-    """A value as the error shows it: YAML's words for null and booleans, strings quoted, at most 80 characters."""
-    if value is _ABSENT:
-        return "nothing"
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return ConfigError(f"{where}: {key}" if key else where, rules.expected_got(expected, value))
 
 
 def _join(path: str, key: Any) -> str:
@@ -89,14 +78,14 @@ def _mapping(schema: type, raw: Any, where: str, path: str) -> dict[str, Any]:
         return path if short else _join(path, name)
 
     def fail(name: str, given: Any) -> ConfigError:
-        return bad(where, key_of(name), _expected_of(fields[name], hints[name]), raw if short else given)
+        return bad(where, key_of(name), rules.words(hints[name], fields[name].metadata), raw if short else given)
 
     nested: dict[str, Any] = {}
     flat: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in value:
             if f.default is MISSING:
-                raise fail(name, _ABSENT)
+                raise fail(name, ABSENT)
             continue
         inner = _dataclass_in(hints[name])
         if inner is not None:
@@ -122,15 +111,14 @@ def _mapping(schema: type, raw: Any, where: str, path: str) -> dict[str, Any]:
             raise fail(name, flat[name])  # OmegaConf would take any integer for true
     out.update(nested)
     for name in value:
-        check = fields[name].metadata.get("check")
-        if check is not None and out[name] is not None and not check(out[name]):
+        if rules.problem(fields[name].metadata, out[name]):
             raise fail(name, value[name])
     return out
 
 
 def _nested(tp: Any, inner: type, raw: Any, where: str, path: str, fail: typing.Callable[[], ConfigError]) -> Any:
     """A field holding mappings of the schema (`inner`): one, a list of them, or a mapping of names to them."""
-    if raw is None and _optional(tp):
+    if raw is None and is_optional(tp):
         return None
     origin = typing.get_origin(strip_optional(tp))
     if origin is list:
@@ -142,10 +130,6 @@ def _nested(tp: Any, inner: type, raw: Any, where: str, path: str, fail: typing.
             raise fail()
         return {str(k): _mapping(inner, item, where, _join(path, k)) for k, item in raw.items()}
     return _mapping(inner, raw, where, path)
-
-
-def _optional(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
 def _dataclass_in(tp: Any) -> type | None:
@@ -180,12 +164,3 @@ def _typed(tp: Any, value: Any) -> bool:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, tp)
-
-
-def _expected_of(f: dataclasses.Field, tp: Any) -> str:
-    return f.metadata.get("expected") or expected(tp)
-
-
-def expected(tp: Any) -> str:
-    """What a value of type `tp` is, in words (the same words as the config's errors)."""
-    return expected_words(tp)

@@ -24,6 +24,8 @@ import yaml
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from lab.identity import CONFIG_HASH_SCHEME, config_hash
+
 _PARAM_BATCH = 100  # MLflow's limit per log_batch call
 # a server store makes MLflow print two "View run" links per run: the workbench prints its own lines
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -407,7 +409,7 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]
     return client.search_runs([exp.experiment_id], filter_string=filter_string)
 
 
-def runs_keyed_before(uri: str, scheme: int) -> list[Any]:
+def runs_keyed_before(uri: str, scheme: int = CONFIG_HASH_SCHEME) -> list[Any]:
     """Finished runs of every experiment whose `config_hash` tag was computed by a hash scheme older than
     `scheme` (the tag `config_hash_scheme` is missing or lower): a study does not find them as done."""
     db = local_paths(uri)
@@ -421,6 +423,31 @@ def runs_keyed_before(uri: str, scheme: int) -> list[Any]:
         max_results=50000,
     )
     return [r for r in runs if int(r.data.tags.get("config_hash_scheme", "1")) < scheme]
+
+
+def rekey(uri: str, runs: list[Any]) -> int:
+    """The migration of `lab doctor --rekey`: `runs` (of `runs_keyed_before`) re-keyed to the current
+    CONFIG_HASH_SCHEME from the config each logged, the old hash kept as the tag `config_hash_previous`, so
+    that studies find them as done. A run without a logged config, or an imported drafter's (its logged keys
+    are the checkpoint's), is left to be rerun. Returns how many were re-keyed."""
+    done = 0
+    for run in runs:
+        logged = logged_config(uri, run.info.run_id)
+        if logged is None or (logged.get("drafter") or {}).get("checkpoint"):
+            continue
+        # before scheme 3 every prompt decoded max_new_tokens: the default now stops at eos
+        logged.setdefault("eval", {}).setdefault("stop_at_eos", False)
+        set_run_tags(
+            uri,
+            run.info.run_id,
+            {
+                "config_hash": config_hash(logged),
+                "config_hash_scheme": CONFIG_HASH_SCHEME,
+                "config_hash_previous": run.data.tags["config_hash"],
+            },
+        )
+        done += 1
+    return done
 
 
 def logged_config(uri: str, run_id: str) -> dict | None:

@@ -19,5 +19,5 @@ class StepStats:
 
 # A batch's TTT loss, bound to the drafter being trained:
 #   loss(input_ids [B, T], aux [B, T, A*H], final [B, T, H], lm_head_weight, length, step_weight, loss_mask)
-# (`lab.train.ttt.ttt_loss` without its drafter argument; `TorchSpecTTT.loss`).
+# (`lab.train.loss.ttt_loss` without its drafter argument; `TorchSpecTTT.loss`).
 LossFn = Callable[..., StepStats]

@@ -89,7 +89,7 @@ def build_model(drafter: Eagle3Drafter, attention_backend: str = "sdpa") -> nn.M
 
 
 class TorchSpecTTT:
-    """TorchSpec's `Eagle3Model` over a TorchSpec drafter; `loss(...)` has `lab.train.ttt.ttt_loss`'s
+    """TorchSpec's `Eagle3Model` over a TorchSpec drafter; `loss(...)` has `lab.train.loss.ttt_loss`'s
     signature and meaning (up to the acc_i note in the module docstring)."""
 
     def __init__(self, draft_model: nn.Module, length: int, attention_backend: str = "sdpa"):

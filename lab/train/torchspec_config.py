@@ -1,4 +1,4 @@
-"""`lab export torchspec-config`: one arm of the workbench as a TorchSpec training run on a GPU cluster.
+"""`lab torchspec-config`: one arm of the workbench as a TorchSpec training run on a GPU cluster.
 
 Writes `train.yaml` (read by `python -m torchspec.train_entry --config train.yaml`) and `draft_model.json`
 (TorchSpec's `model.draft_model_config`, a native `LlamaForCausalLMEagle3` config) for the same drafter
@@ -24,9 +24,12 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from lab.config import ConfigError, TargetKind, aux_layers, check_torchspec_drafter, config_hash, redact
+from lab.config import ConfigError, TargetKind, redact
 from lab.drafter import drafter_spec
 from lab.drafter.model import DrafterSpec
+from lab.identity import config_hash
+from lab.shape import aux_layers
+from lab.validation import check_torchspec_drafter
 
 TRAIN_YAML = "train.yaml"
 DRAFT_JSON = "draft_model.json"
@@ -229,8 +232,8 @@ def _unmapped(cfg: DictConfig) -> list[str]:
         "AdamW betas: ours (0.9, 0.95); TorchSpec's AdamW has torch's default (0.9, 0.999), not configurable.",
         "warm-up: ours lr * (step + 1) / warmup_steps from step 0, TorchSpec's lr * step / warmup_steps (from 0);"
         " the same warm-up length, cosine decay to min_lr at num_train_steps.",
-        "precision: TorchSpec trains in bf16 with fp32 master weights (ours: fp32"
-        + (", bf16 autocast)." if t.autocast_bf16 else ")."),
+        "precision: TorchSpec trains in bf16 with fp32 master weights (ours: fp32 weights computing in the "
+        f"target's dtype, dtype={cfg.dtype.value}; auto: bfloat16 on CUDA).",
         f"data: ours is data.num_sequences={d.num_sequences} conversations in the '{d.template}' template cut to "
         f"data.seq_len={d.seq_len} tokens from the standard library corpus, loss on the assistant's tokens; "
         "TorchSpec reads dataset.train_data_path and truncates at max_seq_length.",
@@ -262,7 +265,7 @@ def _header(
 ) -> str:
     fill = todo or ["nothing: the target and the data are set."]
     lines = [
-        "TorchSpec training config written by `lab export torchspec-config` (EAGLE-3 / EAGLE 3.1 workbench).",
+        "TorchSpec training config written by `lab torchspec-config` (EAGLE-3 / EAGLE 3.1 workbench).",
         f"Launch: {LAUNCH.format(train_yaml)}",
         "",
         f"arm: {source}",

@@ -1,0 +1,93 @@
+"""The target's shape from the config alone, before any model loads: a built (or GGUF) target's declared
+architecture, or a Hugging Face folder's config.json (`hf_config`, checked for the fields the workbench reads
+from it); and what follows from the shape: the target's positions and the captured layers (`aux_layers`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from lab.config import ConfigError, TargetKind
+from lab.rules import ABSENT, expected_got
+
+# What the workbench reads from a Hugging Face target's config.json before any model loads (the target's
+# shape); where present, HF_CONFIG_OPTIONAL too (max_position_embeddings: 2048 where it is absent).
+HF_CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads")
+HF_CONFIG_OPTIONAL = ("head_dim", "max_position_embeddings", "vocab_size")
+
+
+def hf_config(path: str) -> dict[str, Any]:
+    """A Hugging Face model folder's config.json, checked for the fields the workbench reads from it; raises
+    ConfigError naming target.path and the file or field."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError("target.path", f"'{path}' is not a directory")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError("target.path", f"'{path}' has no config.json (expected a Hugging Face model dir)")
+    try:
+        hf = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("target.path", f"'{cfg_file}' is not JSON ({exc}); expected a model's config.json") from None
+    if not isinstance(hf, dict):
+        raise ConfigError("target.path", f"'{cfg_file}' is not a JSON object; expected a model's config.json")
+    for name in (*HF_CONFIG_FIELDS, *HF_CONFIG_OPTIONAL):
+        value = hf.get(name)
+        if name not in HF_CONFIG_FIELDS and value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(
+                "target.path",
+                f"'{cfg_file}': {name}: {expected_got('a positive integer', hf.get(name, ABSENT))} (the workbench "
+                f"reads {', '.join(HF_CONFIG_FIELDS)} from a target's config.json)",
+            )
+    return hf
+
+
+def target_shape(cfg: DictConfig) -> dict[str, int]:
+    """num_layers / hidden_size / num_heads of the target, read from config.json for kind=hf."""
+    t = cfg.target
+    if t.kind == TargetKind.hf:
+        if not t.path:
+            raise ConfigError("target.path", "required for target.kind=hf (a local Hugging Face model directory)")
+        hf = hf_config(t.path)
+        heads = hf["num_attention_heads"]
+        return {
+            "num_layers": hf["num_hidden_layers"],
+            "hidden_size": hf["hidden_size"],
+            "num_heads": heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+        }
+    # built here, or a GGUF target's declared shape (known before its conversion; checked after it)
+    return {
+        "num_layers": t.num_layers,
+        "hidden_size": t.hidden_size,
+        "num_heads": t.num_heads,
+        "head_dim": t.hidden_size // t.num_heads,
+    }
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """vLLM's and EAGLE-3's default (2, L//2, L-3) where its ids are distinct; on shallow targets, where they
+    collide, a low, middle and high layer (1, L//2, L-1)."""
+    if num_layers < 3:
+        raise ConfigError("target.num_layers", f"at least 3 layers needed to capture 3 aux layers, got {num_layers}")
+    vllm = [2, num_layers // 2, num_layers - 3]
+    return vllm if vllm == sorted(set(vllm)) else sorted({1, num_layers // 2, num_layers - 1})
+
+
+def aux_layers(cfg: DictConfig) -> list[int]:
+    """The captured target layers in vLLM's ids: drafter.aux_layers, else the default spread over the target."""
+    layers = cfg.drafter.aux_layers
+    return list(layers) if layers is not None else default_aux_layers(target_shape(cfg)["num_layers"])
+
+
+def max_positions(cfg: DictConfig) -> int:
+    """The target's positions: a HF folder's max_position_embeddings (2048 where absent), else its declared ones."""
+    if cfg.target.kind == TargetKind.hf:
+        return int(hf_config(cfg.target.path).get("max_position_embeddings") or 2048)
+    return cfg.target.max_positions  # built here, or a GGUF target's declared (and checked) value

@@ -1,0 +1,389 @@
+"""Checks of a composed config that need the whole config (aux layers against the target's depth, head_dim
+against vLLM's CPU kernels, lengths against the target's positions, suites against the data, ...), and of
+every value against its field's rules (`check_rules`, lab/rules.py's engine); from the config alone and a
+target folder's config.json (lab/shape.py). Each raises ConfigError naming the key and what is allowed.
+What this machine has installed, and the user's other files, are lab/preflight.py's to check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lab import rules
+from lab.config import (
+    BACKENDS,
+    CHAT_ONLY_SUITES,
+    MIN_ASSISTANT_ROOM,
+    MIN_ASSISTANT_TOKENS,
+    MLFLOW_DB_DIALECTS,
+    OPTUNA_DB_PREFIXES,
+    TARGET_TEMPLATE,
+    TEMPLATE_NAMES,
+    TRAIN_BACKENDS,
+    VLLM_CPU_HEAD_DIMS,
+    VLLM_DTYPES,
+    VLLM_FORMATS,
+    Config,
+    ConfigError,
+    DataSource,
+    FcNorm,
+    NormType,
+    SuiteKind,
+    TargetKind,
+    redact,
+)
+from lab.shape import aux_layers, max_positions, target_shape
+
+
+def _positive(cfg: DictConfig, keys: list[str]) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if value is None or value <= 0:
+            raise ConfigError(key, f"must be a positive number, got {value}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need the whole config, and every value against its field's rules (`check_rules`); raises
+    ConfigError naming the key and what is allowed."""
+    _validate_tracking(cfg.tracking)
+    _positive(
+        cfg,
+        [
+            "train.ttt_length",
+            "train.steps",
+            "train.batch_size",
+            "train.lr",
+            "drafter.num_layers",
+            "data.num_sequences",
+            "data.seq_len",
+            "eval.num_prompts",
+            "eval.prompt_len",
+            "eval.max_prompt_len",
+            "eval.max_new_tokens",
+            "train.log_every",
+        ],
+    )
+    if cfg.drafter.draft_vocab_size is not None and cfg.drafter.draft_vocab_size < 2:
+        raise ConfigError("drafter.draft_vocab_size", f"must be >= 2 or null, got {cfg.drafter.draft_vocab_size}")
+    if cfg.train.backend not in TRAIN_BACKENDS:
+        raise ConfigError("train.backend", f"unknown '{cfg.train.backend}'; allowed: {', '.join(TRAIN_BACKENDS)}")
+    if cfg.train.backend == "torchspec":
+        check_torchspec_drafter(cfg)  # whether TorchSpec is installed is lab/preflight.py's check_environment
+    if not 0 < cfg.train.step_weight <= 1:
+        raise ConfigError("train.step_weight", f"must be in (0, 1], got {cfg.train.step_weight}")
+    if cfg.target.kind == TargetKind.build:
+        build = ["vocab_size", "num_layers", "hidden_size", "num_heads", "max_positions"]
+        _positive(cfg, [f"target.{k}" for k in build])
+        if cfg.target.hidden_size % cfg.target.num_heads:
+            raise ConfigError(
+                "target.num_heads",
+                f"must divide target.hidden_size={cfg.target.hidden_size}, got {cfg.target.num_heads}",
+            )
+    shape = target_shape(cfg)
+    if shape["head_dim"] not in VLLM_CPU_HEAD_DIMS:
+        t = cfg.target
+        head_dim = (
+            f"the head_dim of {t.path}/config.json, {shape['head_dim']},"
+            if t.kind == TargetKind.hf
+            else f"head_dim = target.hidden_size / target.num_heads = {t.hidden_size} / {t.num_heads} = "
+            f"{shape['head_dim']}"
+        )
+        raise ConfigError(
+            "target.num_heads",
+            f"{head_dim} cannot be served by vLLM's CPU attention; "
+            f"allowed head_dim: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}",
+        )
+    layers = aux_layers(cfg)
+    n = shape["num_layers"]
+    if len(layers) == 0:
+        raise ConfigError("drafter.aux_layers", "must name at least one captured target layer")
+    if any(not isinstance(i, int) or i < 0 or i >= n for i in layers):
+        raise ConfigError(
+            "drafter.aux_layers", f"ids must be integers in 0..{n - 1} (target has {n} layers), got {layers}"
+        )
+    if len(set(layers)) != len(layers):
+        raise ConfigError("drafter.aux_layers", f"ids must be distinct, got {layers}")
+    if list(layers) != sorted(layers):
+        raise ConfigError("drafter.aux_layers", f"ids must be ascending, got {layers}")
+    if len(cfg.eval.num_speculative_tokens) == 0:
+        raise ConfigError("eval.num_speculative_tokens", "must name at least one drafting depth k, e.g. [3, 8]")
+    for k in cfg.eval.num_speculative_tokens:
+        if not isinstance(k, int) or k < 1:
+            raise ConfigError(
+                "eval.num_speculative_tokens", f"must be positive integers, got {list(cfg.eval.num_speculative_tokens)}"
+            )
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(
+            "threads", f"must be a positive number of torch threads, or null for all cores; got {cfg.threads}"
+        )
+    if cfg.train.ttt_length >= cfg.data.seq_len:
+        # every TTT step drafts one position further into the training sequence
+        raise ConfigError(
+            "train.ttt_length",
+            f"must be below data.seq_len={cfg.data.seq_len}, got {cfg.train.ttt_length}",
+        )
+    _validate_suites(cfg)
+    _validate_backends(cfg)
+    if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
+        raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
+    if cfg.eval.temperature < 0:
+        raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
+    check_rules(cfg)
+    _validate_lengths(cfg)
+
+
+def check_rules(cfg: DictConfig) -> None:
+    """Every value against its field's `checked` rules (bounds, finite numbers, non-empty names, distinct
+    list items, [low, high] ranges), for the whole schema and every configured suite; ConfigError naming
+    the key and what is expected."""
+    for key, tp, field_rules in ruled_keys(cfg):
+        value = OmegaConf.select(cfg, key)
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        if rules.problem(field_rules, value):
+            raise ConfigError(key, rules.expected_got(rules.words(tp, field_rules), value))
+
+
+def ruled_keys(cfg: DictConfig | None = None) -> list[tuple[str, Any, dict[str, Any]]]:
+    """(key, type, rules) of every schema field with rules; `suites.NAME.` for each of cfg's suites (or
+    `suites.*.` without a config)."""
+    out = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = rules.strip_optional(hints[f.name])
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+            elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+                for name in cfg[f.name] if cfg is not None else ["*"]:
+                    walk(typing.get_args(tp)[1], f"{prefix}{f.name}.{name}.")
+            elif f.metadata:
+                out.append((f"{prefix}{f.name}", hints[f.name], dict(f.metadata)))
+
+    walk(Config, "")
+    return out
+
+
+def _validate_lengths(cfg: DictConfig) -> None:
+    """Lengths that only the whole config bounds: the training sequence against the target's positions and
+    the room an assistant's turn needs; the attention sink against the prompts."""
+    d, positions = cfg.data, max_positions(cfg)
+    if d.seq_len > positions:
+        raise ConfigError(
+            "data.seq_len",
+            f"expected at most the target's max positions ({positions}), got {d.seq_len}",
+        )
+    if d.source == DataSource.code:
+        # BOS, the request, the last seq_len/4 tokens of code, then the answer (lab/data/text.py)
+        least = next(n for n in range(2, 4 * MIN_ASSISTANT_TOKENS) if n - n // 4 - 1 >= MIN_ASSISTANT_TOKENS)
+        if d.seq_len < least:
+            raise ConfigError(
+                "data.seq_len",
+                f"{d.seq_len} tokens leave no sequence {MIN_ASSISTANT_TOKENS} assistant tokens after the prompt "
+                f"(its last seq_len/4 tokens of code); expected at least {least}",
+            )
+    elif d.seq_len <= MIN_ASSISTANT_ROOM + 1:
+        raise ConfigError(
+            "data.seq_len",
+            f"{d.seq_len} tokens leave no conversation {MIN_ASSISTANT_ROOM} tokens for its answer after the "
+            f"first prompt; expected at least {MIN_ASSISTANT_ROOM + 2}",
+        )
+    e = cfg.eval
+    shortest = min(e.prompt_len, e.max_prompt_len)
+    if e.n_sink >= shortest:
+        raise ConfigError(
+            "eval.n_sink",
+            f"expected fewer leading positions than the shortest prompt (eval.prompt_len / eval.max_prompt_len "
+            f"= {shortest}), got {e.n_sink}",
+        )
+
+
+def check_torchspec_drafter(cfg: DictConfig) -> None:
+    """ConfigError naming the key of a drafter TorchSpec's EAGLE-3 cannot be: it has one decoder layer
+    (`midlayer`) and RMSNorm fc norms, one per captured layer or none."""
+    d = cfg.drafter
+    if d.num_layers != 1:
+        raise ConfigError(
+            "drafter.num_layers", f"TorchSpec's EAGLE-3 drafter has one decoder layer (midlayer), got {d.num_layers}"
+        )
+    if d.fc_norm == FcNorm.concat:
+        raise ConfigError(
+            "drafter.fc_norm", "TorchSpec has no concat fc norm (vLLM's norm_before_fc); allowed: none, per_layer"
+        )
+    if d.fc_norm != FcNorm.none and d.norm_type != NormType.rmsnorm:
+        raise ConfigError(
+            "drafter.norm_type",
+            f"TorchSpec's fc norms are RMSNorm only, got {d.norm_type.value} with drafter.fc_norm={d.fc_norm.value}; "
+            "allowed: rmsnorm",
+        )
+
+
+def _validate_backends(cfg: DictConfig) -> None:
+    backends = list(cfg.eval.backends)
+    if not backends or any(b not in BACKENDS for b in backends):
+        raise ConfigError("eval.backends", f"must be a non-empty list of {', '.join(BACKENDS)}; got {backends}")
+    v = cfg.eval.vllm
+    if v.format not in VLLM_FORMATS:
+        raise ConfigError("eval.vllm.format", f"unknown format '{v.format}'; allowed: {', '.join(VLLM_FORMATS)}")
+    if v.dtype not in VLLM_DTYPES:
+        raise ConfigError("eval.vllm.dtype", f"unknown dtype '{v.dtype}'; allowed: {', '.join(VLLM_DTYPES)}")
+    if not v.concurrency or any(not isinstance(c, int) or c < 1 for c in v.concurrency):
+        raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
+    _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
+    for name in v.throughput_suites or []:
+        if name not in cfg.eval.suites:
+            evaluated = ", ".join(cfg.eval.suites)
+            raise ConfigError(
+                "eval.vllm.throughput_suites", f"'{name}' is not evaluated; expected some of eval.suites: {evaluated}"
+            )
+
+
+_URI_EXPECTED = "expected sqlite:///PATH, http(s)://HOST:PORT of an mlflow server, or a database URL"
+_STORAGE_EXPECTED = (
+    "expected null (a journal file beside the MLflow database), a journal file path, "
+    "or a database URL such as postgresql://USER:PW@HOST/DB"
+)
+
+
+def _validate_tracking(t: DictConfig) -> None:
+    """tracking.uri and tracking.optuna_storage are checked by form only: whether a server or database
+    answers is known when the command opens it (lab.track.check_reachable, the sweep engine)."""
+    uri = str(t.uri)
+    if uri.startswith("sqlite:"):
+        if not uri.startswith("sqlite:///") or not uri[len("sqlite:///") :]:
+            raise ConfigError("tracking.uri", f"'{redact(uri)}' names no database file; {_URI_EXPECTED}")
+    elif uri.startswith(("http://", "https://")):
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(uri)
+            ok = bool(parts.hostname) and (parts.port is None or parts.port > 0)
+        except ValueError:  # a port that is not a number
+            ok = False
+        if not ok:
+            raise ConfigError("tracking.uri", f"'{redact(uri)}' is not a server address; {_URI_EXPECTED}")
+    elif not uri.startswith("file:"):
+        dialect = uri.split("://", 1)[0].split("+", 1)[0] if "://" in uri else None
+        if dialect not in MLFLOW_DB_DIALECTS or _db_url_problem(uri):
+            raise ConfigError("tracking.uri", f"'{redact(uri)}' is not a store MLflow can open; {_URI_EXPECTED}")
+    storage = t.optuna_storage
+    if not storage:
+        return
+    storage = str(storage)
+    if "://" in storage:
+        if not storage.startswith(OPTUNA_DB_PREFIXES):
+            scheme = storage.split("://", 1)[0]
+            raise ConfigError("tracking.optuna_storage", f"unknown database '{scheme}'; {_STORAGE_EXPECTED}")
+        problem = _db_url_problem(storage)
+        if problem:
+            raise ConfigError("tracking.optuna_storage", f"not a database URL ({problem}); {_STORAGE_EXPECTED}")
+        return
+    # a journal path whose first part is a database name is a URL that lost its '://' (postgresql//host)
+    head = re.split(r"[:/\\]", storage, maxsplit=1)[0].split("+", 1)[0].lower()
+    if head in (*MLFLOW_DB_DIALECTS, "oracle", "postgres"):
+        raise ConfigError(
+            "tracking.optuna_storage", f"'{storage}' looks like a database URL without '://'; {_STORAGE_EXPECTED}"
+        )
+    if Path(storage).is_dir():
+        raise ConfigError("tracking.optuna_storage", f"'{storage}' is a directory; {_STORAGE_EXPECTED}")
+
+
+def _db_url_problem(url: str) -> str | None:
+    """Why SQLAlchemy cannot parse `url`, or None; parsing connects to nothing."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(url)
+    except (ArgumentError, ValueError) as exc:
+        return " ".join(str(exc).split())
+    return None
+
+
+def _validate_data(cfg: DictConfig) -> None:
+    d = cfg.data
+    chat_data = d.source != DataSource.code
+    allowed = ", ".join([*TEMPLATE_NAMES, TARGET_TEMPLATE] if chat_data else TEMPLATE_NAMES)
+    if d.template not in TEMPLATE_NAMES and not (chat_data and d.template == TARGET_TEMPLATE):
+        raise ConfigError(
+            "data.template",
+            f"unknown chat template '{d.template}' for data.source={d.source.value}; allowed: {allowed}",
+        )
+    if d.source == DataSource.jsonl:
+        if not d.path:
+            raise ConfigError("data.path", 'required for data.source=jsonl: a file with one {"messages": [...]} a line')
+        if not Path(d.path).is_file():
+            raise ConfigError("data.path", f"'{d.path}' is not a readable file")
+    if d.regenerate and not chat_data:
+        raise ConfigError("data.regenerate", "only conversations are regenerated: needs data.source=sharegpt or jsonl")
+    _positive(cfg, ["data.max_new_tokens", "data.heldout_sequences"])
+    if d.token_budget is not None and d.token_budget <= 0:
+        raise ConfigError("data.token_budget", f"must be a positive number of tokens or null, got {d.token_budget}")
+
+
+def _validate_suites(cfg: DictConfig) -> None:
+    templates = ", ".join(TEMPLATE_NAMES)
+    _validate_data(cfg)
+    if not cfg.eval.suites:
+        raise ConfigError("eval.suites", f"must name at least one suite; configured: {', '.join(cfg.suites)}")
+    positions, deepest = max_positions(cfg), max(cfg.eval.num_speculative_tokens)
+    room = positions - cfg.eval.max_new_tokens - deepest - 1
+    if room < 1:
+        raise ConfigError(
+            "eval.max_new_tokens",
+            f"eval.max_new_tokens={cfg.eval.max_new_tokens} and the deepest k of eval.num_speculative_tokens "
+            f"({deepest}) leave no room for a prompt in the target's {positions} positions (target.max_positions); "
+            f"expected their sum below {positions - 1}",
+        )
+    for key in ("prompt_len", "max_prompt_len"):
+        if cfg.eval[key] > room:
+            raise ConfigError(
+                f"eval.{key}", f"{key} + max_new_tokens + k exceeds the target's max positions; expected at most {room}"
+            )
+    for name in cfg.eval.suites:
+        if name not in cfg.suites:
+            raise ConfigError("eval.suites", f"unknown suite '{name}'; configured: {', '.join(sorted(cfg.suites))}")
+        suite, key = cfg.suites[name], f"suites.{name}"
+        if suite.kind in CHAT_ONLY_SUITES and cfg.data.source == DataSource.code:
+            raise ConfigError(
+                "eval.suites", f"'{name}' needs conversations (data=sharegpt or data=jsonl), not data.source=code"
+            )
+        if suite.num_prompts is not None and suite.num_prompts <= 0:
+            raise ConfigError(f"{key}.num_prompts", f"must be a positive number, got {suite.num_prompts}")
+        if suite.kind == SuiteKind.long_context and cfg.data.source != DataSource.code:
+            lengths = list(suite.context_lengths)
+            if not lengths or any(n <= 0 for n in lengths):
+                raise ConfigError(f"{key}.context_lengths", f"must be positive numbers of tokens, got {lengths}")
+            if max(lengths) > room:
+                raise ConfigError(
+                    f"{key}.context_lengths",
+                    f"{max(lengths)} tokens + max_new_tokens + k exceeds the target's max positions "
+                    f"({max_positions(cfg)}); expected at most {room}",
+                )
+        elif suite.kind == SuiteKind.long_context:
+            multiples = list(suite.context_multiples)
+            if not multiples or any(m <= 0 for m in multiples):
+                raise ConfigError(f"{key}.context_multiples", f"must be positive numbers, got {multiples}")
+            if max(multiples) * cfg.data.seq_len > room:
+                raise ConfigError(
+                    f"{key}.context_multiples",
+                    f"{max(multiples)} x data.seq_len={cfg.data.seq_len} tokens + max_new_tokens + k exceeds "
+                    f"the target's max positions ({max_positions(cfg)})",
+                )
+        for t in list(suite.templates or []) + ([suite.template] if suite.template else []):
+            if t not in TEMPLATE_NAMES:
+                raise ConfigError(f"{key}.templates", f"unknown chat template '{t}'; allowed: {templates}")
+        if suite.kind == SuiteKind.template and suite.templates is not None and cfg.data.template in suite.templates:
+            raise ConfigError(f"{key}.templates", f"'{cfg.data.template}' is the drafter's training template")
+        if suite.kind == SuiteKind.jsonl:
+            if not suite.path:
+                raise ConfigError(f"{key}.path", "required for a jsonl suite: a file with one JSON object per line")
+            if not Path(suite.path).is_file():
+                raise ConfigError(f"{key}.path", f"'{suite.path}' is not a readable file")
