@@ -289,3 +289,21 @@ def test_vllm_worker_failure_names_its_log(micro_target, tmp_path):
             generate([[1, 2, 3]], 4)
     # the log of a resumed build keeps the earlier sessions' lines, and the error quotes only this one's
     assert log.read_text().startswith("an earlier session's Error") and "long fixed" not in str(failure.value)
+
+
+def test_hf_batches_are_sized_by_the_device():
+    """A CPU keeps batches of HF_BATCH rows; a GPU takes as many rows as half its free memory holds (a row: its
+    KV cache at full length, its widest prompt activations, its logits), between HF_BATCH and HF_BATCH_MAX."""
+    from types import SimpleNamespace
+
+    from lab.target.generate import HF_BATCH, HF_BATCH_MAX, hf_batch_rows
+
+    smollm2 = SimpleNamespace(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, vocab_size=49152,
+    )  # fmt: skip
+    assert hf_batch_rows(smollm2, torch.float32, 2048, None) == HF_BATCH
+    per_row = 2 * 30 * 3 * 64 * 2 * 2048 + 2048 * (4 * 576 + 3 * 1536) * 2 + 4 * 49152  # bfloat16: 2 bytes
+    assert hf_batch_rows(smollm2, torch.bfloat16, 2048, 8 << 30) == (8 << 30) // 2 // per_row == 56
+    assert hf_batch_rows(smollm2, torch.bfloat16, 2048, 139 << 30) == HF_BATCH_MAX  # an H200
+    assert hf_batch_rows(smollm2, torch.bfloat16, 2048, 1 << 30) == HF_BATCH  # never below the CPU's batch

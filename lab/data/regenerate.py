@@ -5,7 +5,8 @@ so it learns best from the target's own outputs, not from whatever model wrote t
 prompt is rendered with the target's earlier answers in place (`chat.prompt(messages[:i])`), so a later
 turn follows the conversation the target itself would have had.
 
-Work goes through a rolling pool of up to `chunk_size` turns under way at once: a conversation's next turn
+Work goes through a rolling pool of up to `chunk_size` turns under way at once (more where the generator
+serves more at once: transformers on a GPU, `Greedy.rows`): a conversation's next turn
 is asked for as soon as its last one is answered, and a finished conversation's place goes to the next
 conversation in order, of its chunk or the next. So the engine's batch stays full to the end. (It used to go
 in waves over the turn index, chunk by chunk: each chunk ended in small waves, 53 % of the time for 28 % of
@@ -22,13 +23,15 @@ Cutting, so that no token is generated that the training sequence (`seq_len` tok
   would follow an assistant that said nothing, a conversation no one has.
 
 Cache: `{cache_dir}/regen/{key}/part_{chunk}.jsonl ... manifest.json`, one part per chunk of `chunk_size`
-conversations, published as each chunk finishes (with its sha256 in the manifest, checked on every load),
-so an interrupted run resumes from the finished chunks (each part records the time since the part before
-it as its `seconds`). The key hashes the target, the chat template, the generation settings and the backend
-(vLLM's bf16 and transformers' fp32 greedy answers differ); each part is named by the hash of its chunk's
-conversations. A selection is a seeded order cut at a count, so a larger selection starts with the smaller
-one's chunks and regenerates only the new ones; a selection whose chunks are all there is a hit that never
-runs the target. A file lock keeps two processes from regenerating the same entry at once.
+conversations, published as each chunk finishes (with its sha256 in the manifest, checked on every load; the
+part and then the manifest each through a temp name, flushed and renamed, so a full disk or a kill leaves
+whole files only, and a part the manifest does not name yet is generated again), so an interrupted run resumes
+from the finished chunks (each part records the time since the part before it as its `seconds`). The key
+hashes the target, the chat template, the generation settings and the backend (vLLM's bf16 and transformers'
+fp32 greedy answers differ); each part is named by the hash of its chunk's conversations. A selection is a
+seeded order cut at a count, so a larger selection starts with the smaller one's chunks and regenerates only
+the new ones; a selection whose chunks are all there is a hit that never runs the target. A file lock keeps two
+processes from regenerating the same entry at once.
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def _build(
     ):
         last = time.perf_counter()  # the engine's start-up is no part's time
         _regenerate(generate, chat, target.tokenizer, [chunks[i] for i in todo], max_new_tokens, seq_len,
-                    pool, lambda k, records: publish(todo[k], records), bar)  # fmt: skip
+                    max(pool, generate.rows(seq_len)), lambda k, records: publish(todo[k], records), bar)  # fmt: skip
     return manifest
 
 

@@ -41,7 +41,8 @@ from tqdm.auto import tqdm
 from lab.fsutil import last_error_line
 
 BACKENDS = ("auto", "hf", "vllm")
-HF_BATCH = 16
+HF_BATCH = 16  # rows of a batch on a CPU
+HF_BATCH_MAX = 512  # on a GPU: rows of a batch at the most (`hf_batch_rows`)
 VLLM_MAX_NUM_SEQS = 64
 VLLM_KV_CACHE_GIB = 2
 WORKER_EXIT_S = 60  # how long a closed worker may take to exit before it is killed
@@ -61,8 +62,10 @@ class Greedy:
         step: Callable[[Requests], dict[int, list[int]]],
         eos: int,
         max_positions: int,
+        rows: Callable[[int], int] = lambda length: 0,
     ):
         self._run, self._step, self.eos, self.max_positions = run, step, eos, max_positions
+        self.rows = rows  # requests of up to `length` tokens the engine serves best at once (0: no preference)
 
     def _limit(self, prompt: list[int], wanted: int) -> int:
         return max(0, min(wanted, self.max_positions - len(prompt))) if prompt else 0
@@ -154,8 +157,14 @@ def open_generator(
             keys = list(requests)
             return dict(zip(keys, run([requests[k][0] for k in keys], [requests[k][1] for k in keys]), strict=True))
 
+        def rows(length: int) -> int:
+            weight = target.model.get_output_embeddings().weight
+            if weight.device.type != "cuda":
+                return 0
+            return hf_batch_rows(target.model.config, weight.dtype, length, torch.cuda.mem_get_info(weight.device)[0])
+
         try:
-            yield Greedy(run, step, eos, max_positions)
+            yield Greedy(run, step, eos, max_positions, rows)
         finally:
             torch.set_num_threads(previous)
         return
@@ -181,13 +190,34 @@ def _until_eos(ids: list[int], eos: int) -> list[int]:
 # ---------------------------------------------------------------- hf
 
 
+def hf_batch_rows(config: Any, dtype: torch.dtype, length: int, free_bytes: int | None) -> int:
+    """Rows of one `greedy_batch` whose sequences reach `length` tokens: HF_BATCH on a CPU (`free_bytes` None),
+    where a step's cost grows with its rows; on a GPU, where a step costs about the same for 16 rows or 256
+    (its time is launch overhead), as many as half the free memory holds: each row's KV cache at full length,
+    its prompt's widest activations (the MLP's) and its last logits, capped at HF_BATCH_MAX."""
+    if free_bytes is None:
+        return HF_BATCH
+    size = torch.tensor([], dtype=dtype).element_size()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * size * length
+    activations = length * (4 * config.hidden_size + 3 * config.intermediate_size) * size
+    per_row = kv + activations + 4 * config.vocab_size
+    return max(HF_BATCH, min(HF_BATCH_MAX, free_bytes // 2 // per_row))
+
+
 def _hf_generate(model: Any, prompts: list[list[int]], limits: list[int], eos: int, progress: bool) -> list[list[int]]:
-    """Batches of similar length (less padding), longest first, so a memory or length problem shows at once."""
+    """Batches of similar length (less padding), longest first, so a memory or length problem shows at once;
+    as many rows a batch as `hf_batch_rows` says the device holds."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outs: list[list[int]] = [[] for _ in prompts]
+    weight = model.get_output_embeddings().weight
+    free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
+    longest = max((len(p) + n for p, n in zip(prompts, limits, strict=True)), default=1)
+    batch = hf_batch_rows(model.config, weight.dtype, longest, free)
     with tqdm(total=len(prompts), desc="greedy (hf)", unit="prompt", leave=False, disable=not progress) as bar:
-        for start in range(0, len(order), HF_BATCH):
-            rows = order[start : start + HF_BATCH]
+        for start in range(0, len(order), batch):
+            rows = order[start : start + batch]
             done = greedy_batch(model, [prompts[i] for i in rows], [limits[i] for i in rows], eos)
             for i, out in zip(rows, done, strict=True):
                 outs[i] = out

@@ -1,0 +1,207 @@
+"""Every stage's speed on the current device, side by side in one run: greedy generation (regeneration's
+`generator=hf` loop), plain decoding and speculative decoding (k = 3, probes on) in the reference decoder,
+hidden-state capture, and training (tokens/s and MFU). Prints a table and appends it to benchmarks/RESULTS.md
+with the date, the card and the command.
+
+    .venv/bin/python benchmarks/gpu_stages.py                       # a random SmolLM2-135M-shaped target
+    .venv/bin/python benchmarks/gpu_stages.py --target micro        # the micro target (CPU-sized)
+    .venv/bin/python benchmarks/gpu_stages.py --small --no-append   # small shapes: checks the script itself
+
+The SmolLM2-shaped target has random weights (nothing to download, the exact shape: 30 layers, 576 wide, 9
+heads over 3 KV heads, 49,152 tokens), so its figures are speed, not quality: greedy generation runs every row
+to its token limit (no eos), and the drafter is untrained (k = 3 rounds rarely accept, so speculative decoding
+is timed at its worst). MFU is the training step's FLOPs (counted by torch's FlopCounterMode over one step,
+backward included) per second over the card's dense bf16 peak; CPUs have no entry in PEAK_TFLOPS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from lab.config import DrafterConfig
+from lab.device import DTYPES
+from lab.drafter import init_drafter
+from lab.eval.probes import DriftProbes
+from lab.eval.reference import speculative_decode, target_decode
+from lab.target import capture
+from lab.target.generate import greedy_batch
+from lab.target.load import Target
+from lab.train.loss import ttt_loss
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+# dense bf16 tensor-core peaks (TFLOP/s), by the name torch reports
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
+SMOLLM2 = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn) -> float:  # noqa: ANN001
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def smollm2_shaped(device: torch.device, dtype: torch.dtype, layers: int | None = None) -> Target:
+    """A random-weight LlamaForCausalLM of SmolLM2-135M's shape (fewer layers with `layers`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SMOLLM2, **({"num_hidden_layers": layers} if layers else {})})
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return Target(model, None, Path(tempfile.gettempdir()), "random-smollm2")
+
+
+def micro(device: torch.device, dtype: torch.dtype) -> Target:
+    from lab.composition import compose
+    from lab.target import load
+
+    return load(compose(["profile=micro", f"device={device.type}", f"dtype={str(dtype).removeprefix('torch.')}"]))
+
+
+def card(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS.items() if key in name), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=["smollm2-shape", "micro"], default="smollm2-shape")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, else float32")
+    parser.add_argument("--small", action="store_true", help="small shapes and few layers: a quick check anywhere")
+    parser.add_argument("--no-append", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    small = args.small or device.type == "cpu"
+    # sizes: (generation rows, prompt, new tokens), decoding prompts x new tokens, capture B x T, training B x T
+    gen_rows, prompt_len, new_tokens = (16, 64, 16) if small else (256, 200, 64)
+    dec_prompts, dec_new = (2, 24) if small else (4, 128)
+    cap_b, cap_t = (8, 128) if small else (1024, 512)
+    train_b, train_t = (2, 128) if small else (16, 512)
+
+    target = (
+        micro(device, dtype)
+        if args.target == "micro"
+        else smollm2_shaped(device, dtype, layers=4 if args.small else None)
+    )
+    model, vocab = target.model, target.vocab_size
+    g = torch.Generator().manual_seed(0)
+    rows: list[tuple[str, str, float, str]] = []
+
+    # greedy generation: regeneration's hf loop, every row to its limit (eos -1 never comes)
+    prompts = torch.randint(0, vocab, (gen_rows, prompt_len), generator=g).tolist()
+    greedy_batch(model, prompts[:2], [2, 2], -1)  # warm-up
+    seconds = _timed(device, lambda: greedy_batch(model, prompts, [new_tokens] * gen_rows, -1))
+    rows.append(("generation (hf)", f"{gen_rows} rows x {new_tokens} new", gen_rows * new_tokens / seconds, ""))
+
+    # the reference decoder: plain, then k = 3 with probes, on the same prompts
+    dcfg = OmegaConf.structured(DrafterConfig)
+    aux = [2, target.num_layers // 2, target.num_layers - 3]
+    counts = torch.randint(0, 1000, (vocab,), generator=g)  # the draft vocabulary: any 16,384 of the tokens
+    drafter = init_drafter(target, dcfg, aux, seed=0, token_counts=counts).eval()
+    dec = torch.randint(0, vocab, (dec_prompts, prompt_len), generator=g).tolist()
+    target_decode(model, dec[0], 4)
+    speculative_decode(model, drafter, dec[0], 4, 3, DriftProbes(3))
+    plain = spec = 0.0
+    plain_tokens = spec_tokens = 0
+    for prompt in dec:
+        tokens, s = target_decode(model, prompt, dec_new)
+        plain, plain_tokens = plain + s, plain_tokens + len(tokens)
+        tokens, stats = speculative_decode(model, drafter, prompt, dec_new, 3, DriftProbes(3))
+        spec, spec_tokens = spec + stats.seconds, spec_tokens + len(tokens)
+    rows.append(("plain decoding", f"{dec_prompts} prompts x {dec_new}, batch 1", plain_tokens / plain, ""))
+    rows.append(("speculative, k=3, probes", f"{dec_prompts} prompts x {dec_new}", spec_tokens / spec, ""))
+
+    # hidden-state capture, in chunks of 64 sequences
+    ids = torch.randint(0, vocab, (cap_b, cap_t), generator=g).to(device)
+    capture(model, ids[:2], aux)
+
+    def capture_all() -> None:
+        for a in range(0, cap_b, 64):
+            capture(model, ids[a : a + 64], aux, dtype=torch.bfloat16)
+
+    rows.append(("capture", f"{cap_b} x {cap_t}", cap_b * cap_t / _timed(device, capture_all), ""))
+
+    # training: one TTT-3 step (loss, backward, AdamW) on a random batch, as lab.train.ttt.train steps it
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lab.device import autocast
+
+    drafter.train()
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    batch = [
+        torch.randint(0, vocab, (train_b, train_t), generator=g).to(device),
+        torch.randn(train_b, train_t, len(aux) * target.hidden_size, generator=g).to(device, torch.bfloat16),
+        torch.randn(train_b, train_t, target.hidden_size, generator=g).to(device, torch.bfloat16),
+    ]
+
+    def step() -> None:
+        with autocast(device, dtype):
+            loss = ttt_loss(drafter, *batch, target.lm_head_weight, 3, 0.8).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with FlopCounterMode(display=False) as counter:
+        step()
+    flops = counter.get_total_flops()
+    steps = 3 if small else 10
+    seconds = _timed(device, lambda: [step() for _ in range(steps)]) / steps
+    peak = peak_flops(device)
+    mfu = (
+        f"MFU {100 * flops / seconds / peak:.1f} % ({flops / seconds / 1e12:.1f} TFLOP/s)"
+        if peak
+        else (f"{flops / seconds / 1e12:.2f} TFLOP/s (no peak known for this device)")
+    )
+    rows.append(("training, TTT 3", f"{train_b} x {train_t}", train_b * train_t / seconds, mfu))
+
+    command = "python benchmarks/gpu_stages.py " + shlex.join(sys.argv[1:])
+    head = (
+        f"### {datetime.date.today()}: {card(device)}, torch {torch.__version__}, {args.target} target "
+        f"({str(dtype).removeprefix('torch.')})\n\n`{command.strip()}`\n"
+    )
+    table = ["| stage | shape | tokens/s | |", "|---|---|---|---|"]
+    table += [f"| {name} | {shape} | {tps:,.0f} | {note} |" for name, shape, tps, note in rows]
+    text = head + "\n" + "\n".join(table) + "\n"
+    print(text)
+    if not args.no_append:
+        if not RESULTS.exists():
+            RESULTS.write_text("# Stage benchmarks (benchmarks/gpu_stages.py)\n\nEach run appends its table here.\n")
+        with RESULTS.open("a") as f:
+            f.write("\n" + text)
+        print(f"appended to {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
