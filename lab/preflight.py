@@ -8,18 +8,26 @@ of the user's conversations, a target whose chat template cannot mask the assist
 leaves too few training sequences (counted with the target's tokenizer where it is on disk) is one line naming
 the key and file before a target is loaded or converted and before an MLflow run is opened.
 
-`lab run` runs them all (`preflight`); a study runs `check_checkpoint` and `check_target` (which runs
-`check_environment`) on every point before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its
-first point), but not `check_vllm_servable`."""
+Every key that names a file or folder (a `path` rule of lab/config.py's schema) is checked first
+(`check_paths`): its kind on the disk (a file, a folder, an output that may be missing but not be a file of the
+other kind, nor under a file; no symlink loop), then what is read there: a JSONL file's lines, a SQLite
+database's header, an Optuna journal's lines, a target folder's safetensors headers, a drafter checkpoint's
+config, headers and hashes, a GGUF file's header.
+
+`lab run` runs them all (`preflight`); a study runs `check_paths`, `check_checkpoint` and `check_target` (which
+runs `check_environment`) on every point before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its
+first point) and `check_optuna_storage` on its storage, but not `check_vllm_servable`."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import json
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lab.assets import check_gguf_file
 from lab.config import (
@@ -31,8 +39,11 @@ from lab.config import (
     DType,
     FcNorm,
     NormType,
+    SuiteKind,
     TargetKind,
 )
+from lab.rules import PathRule, path_problem, path_rules
+from lab.validation import ruled_keys
 
 SAMPLE = [
     {"role": "user", "content": "Hello?"},
@@ -45,11 +56,166 @@ SAMPLE = [
 def preflight(cfg: DictConfig) -> None:
     """Everything `lab run` checks after composing and before any work; raises ConfigError naming the key
     (and file) of the first problem found."""
+    check_paths(cfg)
     check_target(cfg)
     check_checkpoint(cfg)
     check_vllm_servable(cfg)
     check_files(cfg)
     check_data(cfg)
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def check_paths(cfg: DictConfig, keys: Iterable[str] | None = None) -> None:
+    """Every key of `cfg` (or of `keys`) that names a file or folder a run reads or writes (its schema field's
+    `path` rules whose verb is `run`; a study's storage is `check_optuna_storage`'s) where the config reads it
+    (the rule's `when` holds; a suite's only where eval.suites evaluates it): its kind on the disk, then what is
+    read there (`check_path`). ConfigError naming the key."""
+    for key, _, field_rules in ruled_keys(cfg):
+        for rule in path_rules(field_rules):
+            if (keys is not None and key not in keys) or rule.verb != "run" or not _read_here(cfg, key, rule):
+                continue
+            path = rule.path(OmegaConf.select(cfg, key))
+            if path is not None:
+                check_path(key, rule, path)
+
+
+def _read_here(cfg: DictConfig, key: str, rule: PathRule) -> bool:
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    if parent.startswith("suites.") and parent.split(".", 1)[1] not in cfg.eval.suites:
+        return False
+    return rule.applies(lambda name: OmegaConf.select(cfg, f"{parent}.{name}" if parent else name))
+
+
+_READ: set[tuple] = set()  # files read whole already in this process, as they were then (a study's every point)
+
+
+def check_content(key: str, rule: PathRule, path: str) -> None:
+    """What is read at `path`, where a file is there, as far as its format's reader reads it here (READERS);
+    ConfigError naming `key`."""
+    reader, file = READERS.get(rule.reads), Path(path)
+    if reader is None or not file.is_file():
+        return
+    st = file.stat()
+    seen = (key, rule.reads, str(file.resolve()), st.st_size, st.st_mtime_ns)
+    if seen not in _READ:
+        reader(key, file, rule)
+        _READ.add(seen)
+
+
+def check_path(key: str, rule: PathRule, path: str) -> None:
+    """`path` (the value of `key`, or an option) of the kind `rule` names on the disk, and, where it is there, its
+    content as far as the rule's reader reads it here (READERS; other formats are read by the checks that use
+    them: a target folder's by `check_target`, a checkpoint's by `check_checkpoint`, a GGUF file's by
+    `check_files`). ConfigError naming `key`, the path and what is expected."""
+    problem = path_problem(rule, path)
+    if problem:
+        raise ConfigError(key, f"'{path}' {problem}; expected {rule.words()}")
+    check_content(key, rule, path)
+
+
+def _text(key: str, path: Path, rule: PathRule) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(key, f"'{path}' is not UTF-8 text (byte {exc.start}); expected {rule.thing}") from None
+    except OSError as exc:
+        raise ConfigError(key, f"'{path}' cannot be read ({exc.strerror or exc}); expected {rule.thing}") from None
+
+
+def _json_lines(key: str, path: Path, rule: PathRule) -> None:
+    """Every line of a JSONL file one JSON object (data.path's and a suite's rows are read further by
+    `check_files`), and at least one."""
+    text, rows = _text(key, path, rule), 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(key, f"{path}:{number}: not JSON ({exc.msg}); expected {rule.thing}") from None
+        if not isinstance(row, dict):
+            raise ConfigError(key, f"{path}:{number}: not a JSON object; expected {rule.thing}")
+        rows += 1
+    if not rows:
+        raise ConfigError(key, f"'{path}' holds no lines; expected {rule.thing}")
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+SETTLE_S = (0.2, 0.4)  # a store's file that looks cut short is read again after these pauses: a writer may be mid-write
+CUT = "cut short"
+
+
+def _settled(read: Callable[[], str | None]) -> str | None:
+    """What `read` finds wrong with a file others may be writing (a sweep's workers append to its journal and
+    commit to its database): a file cut short only when it still is after SETTLE_S."""
+    problem = read()
+    for pause in SETTLE_S:
+        if problem is None or CUT not in problem:
+            break
+        time.sleep(pause)
+        problem = read()
+    return problem
+
+
+def _sqlite(key: str, path: Path, rule: PathRule) -> None:
+    """A SQLite database's header (an empty file is an empty database): its magic, and a size that holds
+    the pages the header counts (a file cut short is refused, not opened)."""
+
+    def read() -> str | None:
+        size = path.stat().st_size
+        if size == 0:
+            return None
+        with open(path, "rb") as fh:
+            head = fh.read(100)
+        if not head.startswith(SQLITE_MAGIC):
+            return f"'{path}' is not a SQLite database (no SQLite header); expected {rule.thing}"
+        page = int.from_bytes(head[16:18], "big") if len(head) >= 18 else 0
+        page = 65536 if page == 1 else page
+        pages = int.from_bytes(head[28:32], "big") if len(head) >= 32 else 0
+        counted = len(head) >= 96 and pages and head[24:28] == head[92:96]  # the header's count is valid
+        if len(head) < 100 or not page or size % page or (counted and pages * page > size):
+            return f"'{path}' is a SQLite database cut short ({size} bytes); expected {rule.thing}, whole"
+        return None
+
+    if (problem := _settled(read)) is not None:
+        raise ConfigError(key, problem)
+
+
+def _journal(key: str, path: Path, rule: PathRule) -> None:
+    """An Optuna journal: one JSON object a line, each ending in a newline (Optuna appends after a line cut
+    short, which would leave a line that never parses). An empty file is a journal without studies."""
+
+    def read() -> str | None:
+        lines = _text(key, path, rule).split("\n")
+        for number, line in enumerate(lines[:-1], 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"{path}:{number}: not JSON ({exc.msg}); expected {rule.thing}"
+            if not isinstance(row, dict) or not isinstance(row.get("op_code"), int):
+                return f"{path}:{number}: not an Optuna log entry (no op_code); expected {rule.thing}"
+        if lines[-1]:
+            return f"{path}:{len(lines)}: cut short (no newline at its end); expected {rule.thing}, whole"
+        return None
+
+    if (problem := _settled(read)) is not None:
+        raise ConfigError(key, problem)
+
+
+READERS = {"jsonl": _json_lines, "sqlite": _sqlite, "journal": _journal}
+
+
+def check_optuna_storage(url: str) -> None:
+    """A study's Optuna storage (`tracking.optuna_storage`, or the journal beside the local MLflow database) as
+    a file: its kind and, where it is there, its content."""
+    from lab.config import OPTUNA_JOURNAL, OPTUNA_SQLITE
+
+    for rule in (OPTUNA_JOURNAL, OPTUNA_SQLITE):
+        path = rule.path(url)
+        if path is not None:
+            check_path("tracking.optuna_storage", rule, path)
 
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # only safetensors load (no pickle)
@@ -116,6 +282,7 @@ def check_target(cfg: DictConfig) -> None:
             f"'{t.path}' has no safetensors weights; expected {' or '.join(WEIGHTS)} (a pytorch_model.bin is a "
             "pickle and is never read)",
         )
+    _check_weights(folder)
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(
             "target.path", f"'{t.path}' has no tokenizer; expected one of {', '.join(TOKENIZER_FILES)} beside the model"
@@ -129,6 +296,36 @@ def check_target(cfg: DictConfig) -> None:
         )
 
 
+def _check_weights(folder: Path) -> None:
+    """The safetensors weights of a target folder readable: each file's header (names, shapes, offsets that fit
+    the file; no tensor is read), and an index's shards there."""
+    files = [folder / WEIGHTS[0]]
+    index = folder / WEIGHTS[1]
+    if not files[0].is_file():
+        try:
+            shards = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+            files = [folder / name for name in sorted(set(shards))]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(
+                "target.path",
+                f"'{index}' is not a safetensors index ({type(exc).__name__}: {exc}); expected "
+                "JSON with a weight_map of tensor -> shard file",
+            ) from None
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), "np") as f:
+                names = list(f.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(
+                "target.path", f"'{file}' is not a readable safetensors file ({first}); expected the target's weights"
+            ) from None
+        if not names:
+            raise ConfigError("target.path", f"'{file}' holds no tensors; expected the target's weights")
+
+
 def _has_chat_template(folder: Path) -> bool:
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True
@@ -140,13 +337,27 @@ def _has_chat_template(folder: Path) -> bool:
 
 
 def check_checkpoint(cfg: DictConfig) -> None:
-    """drafter.checkpoint, when named, is readable and fits the target (lab.drafter.imported.resolve_for),
-    checked from the config alone so that a wrong folder fails before any target is built."""
+    """drafter.checkpoint, when named, is readable and fits the target (lab.drafter.imported.resolve_for), and
+    its weights match their manifest's hashes where it has one, checked from the config alone so that a wrong
+    folder fails before any target is built."""
     if not cfg.drafter.checkpoint:
         return
-    from lab.drafter.imported import resolve_for  # torch: imported only when a checkpoint is named
+    from lab.drafter.formats import CheckpointError, verify
+    from lab.drafter.imported import KEY, resolve_for  # torch: imported only when a checkpoint is named
 
-    resolve_for(cfg)
+    info = resolve_for(cfg)
+    folder = info.path
+    seen = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.iterdir()) if f.is_file())
+    if (str(folder.resolve()), seen) in _VERIFIED:  # a study checks every point, then every trial
+        return
+    try:
+        verify(folder)  # a checkpoint with lab's manifest: its weights' hashes (no tensor is loaded)
+    except CheckpointError as exc:
+        raise ConfigError(KEY, f"{exc}; expected the files its manifest hashes") from None
+    _VERIFIED.add((str(folder.resolve()), seen))
+
+
+_VERIFIED: set[tuple] = set()  # checkpoint folders whose hashes matched, as their files were then
 
 
 def check_vllm_servable(cfg: DictConfig) -> None:
@@ -172,14 +383,19 @@ def check_vllm_servable(cfg: DictConfig) -> None:
 
 
 def check_files(cfg: DictConfig) -> None:
-    """The user's GGUF file reads, the user's conversations (data.source=jsonl) parse, and the target
-    tokenizer's own chat template (data.template=target) masks the assistant's turns."""
+    """The user's GGUF file reads, the user's conversations (data.source=jsonl) and a jsonl suite's prompts
+    parse, and the target tokenizer's own chat template (data.template=target) masks the assistant's turns."""
     if cfg.target.kind == TargetKind.gguf and cfg.target.path:
         check_gguf_file(cfg.target.path)
     if cfg.data.source == DataSource.jsonl:
         from lab.data.conversations import read_jsonl
 
         read_jsonl(cfg.data.path, "data.path")
+    for name in cfg.eval.suites:
+        if cfg.suites[name].kind == SuiteKind.jsonl and cfg.suites[name].path:
+            from lab.data.suites import prompt_rows
+
+            prompt_rows(Path(cfg.suites[name].path), f"suites.{name}.path")
     if cfg.data.template == TARGET_TEMPLATE and cfg.target.kind == TargetKind.hf:
         from lab.target.chat_template import TokenizerChat
 

@@ -12,7 +12,11 @@ A field's rules are its metadata:
 - `distinct`: a list's items; `pair`: a [low, high] range, low <= high;
 - `check`: any other test of the value (a function: is it good?);
 - `expected`: what a good value is, in words, where the words made from the type and the bounds would not
-  say it all (then they are also said of a value of the wrong type).
+  say it all (then they are also said of a value of the wrong type);
+- `path`: the value names a file or folder (`PathRule`: read or written, what is read there, and when). Such a
+  value must be a non-empty string; what is on the disk there is checked where the command reads it, before any
+  work (lab/preflight.py `check_paths`, the CLI's path arguments), with `path_problem` for its kind (a file, a
+  folder, an output that may be missing) and a reader of its content (`PathRule.reads`), each in one line.
 
 A null value keeps every rule. This module imports nothing of `lab` (tests/test_layers.py checks), so that
 both schemas use it.
@@ -21,12 +25,16 @@ both schemas use it.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import os
+import stat
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -36,6 +44,142 @@ ABSENT = object()  # a required key that is not there: shown as "nothing"
 
 BOUNDS = ("min", "above", "max", "nonempty", "distinct", "pair")
 
+# ------------------------------------------------------------------------------------------------ paths
+
+# what a path names: read (`file`, `dir`: it must be there) or written (`out-file`, `out-dir`: made if missing,
+# but never where a file of the other kind is, nor under a file)
+PATH_KINDS = {"file": "a file", "dir": "a folder", "out-file": "a file", "out-dir": "a folder"}
+# what is read there, in words (lab/preflight.py reads each before any work)
+PATH_READS = {
+    "": "",
+    "jsonl": "a JSONL file (one JSON object a line, UTF-8)",
+    "yaml": "a YAML file (UTF-8)",
+    "gguf": "a GGUF model file",
+    "hf-model": "a Hugging Face model folder (config.json, safetensors weights, a tokenizer)",
+    "checkpoint": "a drafter checkpoint folder (config.json + model.safetensors)",
+    "archive": "a .tar.gz written by `lab study export`",
+    "sqlite": "a SQLite database file",
+    "journal": "an Optuna journal file (JSON lines)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PathRule:
+    """A value that names a file or folder: its `kind` (PATH_KINDS), what the workbench reads there (`reads`, a
+    key of PATH_READS), `when` it is read (sibling keys' values, e.g. {"kind": "hf"} for target.path; `!X`: a
+    value that does not start with X), the `prefix` of a value before its path (tracking.uri's `sqlite:///`; a
+    value without it, or any other URL, names no file here), the `verb` that reads it (`run`: a run and every
+    study's trials; tests/test_fuzz_input.py tries it there) and the words `what` it is (else the kind's and the
+    reads')."""
+
+    kind: str
+    reads: str = ""
+    when: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    prefix: str = ""
+    verb: str = "run"
+    what: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PATH_KINDS or self.reads not in PATH_READS:
+            raise TypeError(f"unknown path rule {self.kind!r} / {self.reads!r}; kinds: {', '.join(PATH_KINDS)}")
+
+    @property
+    def output(self) -> bool:
+        return self.kind.startswith("out-")
+
+    @property
+    def thing(self) -> str:
+        """What is there, in words (`a SQLite database file`)."""
+        return self.what or PATH_READS[self.reads] or PATH_KINDS[self.kind]
+
+    def words(self) -> str:
+        """What a good path is, in words (an output's: `..., made if missing`)."""
+        return f"{self.thing}, made if missing" if self.output else self.thing
+
+    def applies(self, sibling: Callable[[str], Any]) -> bool:
+        """Whether the rule's `when` holds, given the values of the keys beside the field (`sibling(name)`)."""
+        for name, wanted in self.when.items():
+            value = sibling(name)
+            said = str(getattr(value, "value", value))
+            negated = wanted.startswith("!")
+            if (negated and said.startswith(wanted[1:])) or (not negated and said != wanted):
+                return False
+        return True
+
+    def path(self, value: Any) -> str | None:
+        """The path a value names under this rule, or None (null, another URL, no prefix)."""
+        if value is None:
+            return None
+        text = str(value)
+        if self.prefix:
+            return text[len(self.prefix) :] if text.startswith(self.prefix) else None
+        return None if "://" in text else text
+
+
+def path_rules(rules: Mapping[str, Any]) -> tuple[PathRule, ...]:
+    """A field's path rules (none for a field that names no file)."""
+    return tuple(rules.get("path", ()))
+
+
+def _as_path_rules(path: str | PathRule | tuple[PathRule, ...]) -> tuple[PathRule, ...]:
+    if isinstance(path, str):
+        return (PathRule(path),)
+    if isinstance(path, PathRule):
+        return (path,)
+    return tuple(path)
+
+
+MISSING_INPUT = "is missing"  # how path_problem says a missing input
+
+
+def path_problem(rule: PathRule, path: str, missing: bool = True) -> str | None:
+    """What is wrong with `path` for a rule's kind, from the file system alone (not the content), said after
+    the path (`'PATH' is a directory, not a file`), or None. A missing output is fine (it is made); one under a
+    file, a broken symlink or a symlink loop is not. `missing=False`: a missing input is not said here either
+    (its reader says it in its own words)."""
+    if not path.strip():
+        return "names no file or folder"
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as exc:
+        problem = _missing_problem(rule, p, exc)
+        return None if problem and problem.startswith(MISSING_INPUT) and not missing else problem
+    is_dir = stat.S_ISDIR(st.st_mode)
+    if rule.kind in ("file", "out-file") and is_dir:
+        return "is a directory, not a file"
+    if rule.kind in ("dir", "out-dir") and not is_dir:
+        return "is a file, not a folder"
+    if rule.kind == "file" and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if rule.output and not os.access(p, os.W_OK | (os.X_OK if is_dir else 0)):
+        return "is not writable"
+    if not rule.output and not os.access(p, os.R_OK | (os.X_OK if is_dir else 0)):
+        return "cannot be read (permission denied)"
+    return None
+
+
+def _missing_problem(rule: PathRule, p: Path, exc: OSError) -> str | None:
+    if exc.errno == errno.ELOOP:
+        return "is a symlink loop"
+    if exc.errno == errno.ENOTDIR:
+        above = next((a for a in p.parents if a.is_file()), None)
+        return f"is under '{above}', which is a file, not a folder" if above else "is under a file, not a folder"
+    if exc.errno != errno.ENOENT:
+        return f"cannot be reached ({exc.strerror or exc})"
+    if p.is_symlink():
+        return f"is a broken symlink (to '{os.readlink(p)}')"
+    if not rule.output:
+        return MISSING_INPUT if rule.kind == "file" else f"{MISSING_INPUT} (no such folder)"
+    for above in p.parents:  # the first part that is there must be a folder the output can be made in
+        if above.is_symlink() and not above.exists():
+            return f"is under '{above}', a broken symlink"
+        if above.exists():
+            if not os.access(above, os.W_OK | os.X_OK):
+                return f"cannot be made: '{above}' is not writable"
+            return None
+    return None
+
 
 def checked(
     default: Any = MISSING,
@@ -43,12 +187,13 @@ def checked(
     factory: Any = None,
     expected: str | None = None,
     check: Callable[[Any], bool] | None = None,
+    path: str | PathRule | tuple[PathRule, ...] | None = None,
     **bounds: Any,
 ) -> Any:
     """A dataclass field whose value (once its type is right, and unless null) also keeps its rules: `bounds`
-    (`min`, `above`, `max`, `nonempty`, `distinct`, `pair`), `check`, and the words `expected` (see the module's
-    docstring). The rules are the schema's own, so that tests/test_fuzz_input.py and the errors read them
-    from there."""
+    (`min`, `above`, `max`, `nonempty`, `distinct`, `pair`), `check`, the words `expected`, and `path`: it names a
+    file or folder (a PATH_KINDS name, a `PathRule`, or several of them; see the module's docstring). The rules
+    are the schema's own, so that tests/test_fuzz_input.py and the errors read them from there."""
     unknown = sorted(set(bounds) - set(BOUNDS))
     if unknown:
         raise TypeError(f"unknown rules {unknown}; known: {', '.join(BOUNDS)}")
@@ -57,6 +202,9 @@ def checked(
         rules["expected"] = expected
     if check is not None:
         rules["check"] = check
+    if path is not None:
+        rules["path"] = _as_path_rules(path)
+        rules["nonempty"] = True  # an empty path would name the current folder, unsaid
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=rules)
     return dataclasses.field(default=default, metadata=rules)
@@ -160,7 +308,7 @@ def words(tp: Any, rules: typing.Mapping[str, Any]) -> str:
             text += f" of {'distinct ' if rules.get('distinct') else ''}{_PLURAL.get(item, 'values')}"
             text += f" {bound_text}" if bound_text else ""
     elif tp is str:
-        text = "a non-empty string"
+        text = "a non-empty path" if rules.get("path") else "a non-empty string"
     else:
         text = f"{'a finite number' if tp is float else 'an integer'}{' ' + bound_text if bound_text else ''}"
     return f"{text} or null" if optional else text

@@ -1,6 +1,7 @@
 """The documentation stays a front door and true to the tree: the README is short, every relative link of
 `README.md` and `docs/*.md` reaches an existing file (and heading), docs/design.md stays readable in one
-sitting, and every test file has its row in docs/testing.md's table. Reads files only: no target, no model, no MLflow."""
+sitting, and every test file has its row in docs/testing.md's table. Reads files only: no target, no model,
+no MLflow."""
 
 from __future__ import annotations
 

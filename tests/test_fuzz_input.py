@@ -7,7 +7,12 @@ The surface is enumerated, not listed here, so that a new key or option is fuzze
 - spec keys: every field of `lab/sweep/schema.py`'s `SweepSpec` and `ExperimentSpec` and of the dataclasses
   they hold (a space's parameter, an objective, the sampler, the pruner, an arm), mutated in a valid spec file;
 - options: every verb of `lab.cli.build_parser()` (its subparsers, walked; `VERB worker` where a subparser
-  sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides.
+  sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides;
+- files and folders: every config key with a `path` rule (lab/rules.py `PathRule`), every argument whose type
+  has one (lab/cli.py `_path`) and every override a verb takes as a file (`named_files`: `sweep=PATH`), each
+  given the paths of its kind (`file_inputs`: missing, empty, binary, truncated, of the other kind, under a
+  file, a symlink loop, a model or checkpoint folder with the right names and the wrong contents; for an
+  output, those that apply, a path not there yet being good) in a folder of its own outside the store.
 
 Each gets the mutations its type admits: a wrong type; out of range (negative or zero, huge, not finite);
 an unknown enum member; an empty list; a list with duplicates; for an option also a missing value, a malformed
@@ -23,8 +28,12 @@ stops there and counts as running correctly. That is how long work is skipped: n
 report, export or server is ever started (`test_every_verb_reaches_validated` checks that each verb's base
 case gets there, so a verb without the hook fails that test instead of starting work). Any other end must be
 exit code 2 and exactly one stderr line, `error: ...`, naming the key or option (or the spec file) and saying
-what is expected; a traceback, another exit code or a second line fails. A seeded sample of failing cases runs
-again through the real `lab` command in subprocesses (exit 2, the same one line). The recorded store
+what is expected; a traceback, another exit code or a second line fails. A bad file case must end so (reaching
+`validated` fails it: its verb's work would start on it), a good one must reach `validated`, and neither may
+change anything in its folder (every file case runs; `LAB_FUZZ_FILES=N` runs a seeded N of them, every key
+and option at least once; `test_every_file_input_is_fuzzed` prints how many). A seeded sample of failing cases
+(and of failing file cases) runs again through the real `lab` command in subprocesses (exit 2, the same one
+line). The recorded store
 (tests/test_bad_input.py's `recorded` folder, plus a study to report on) must stay exactly as it was: its files
 after every test, and its `snapshot` (runs, metrics, params, tags, artifacts, files) at the end.
 """
@@ -34,15 +43,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import traceback
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -55,12 +67,14 @@ from test_bad_input import _overrides, recorded, snapshot  # noqa: F401  (record
 from lab import cli, track
 from lab.composition import compose
 from lab.config import Config
-from lab.rules import strip_optional
+from lab.rules import PathRule, path_rules, strip_optional
 from lab.sweep import experiment, schema
+from lab.validation import ruled_keys
 
 SEED = int(os.environ.get("LAB_FUZZ_SEED", "21"))
 _EXAMPLES = os.environ.get("LAB_FUZZ_EXAMPLES", "140")
 SUBPROCESS_SAMPLE = 6  # failing cases run again through the real command
+FILE_SUBPROCESS_SAMPLE = 2  # and failing file cases
 HUGE = 10**12
 VALID = "valid"
 STORE = "<store>"  # where a case's command takes the overrides that point it at the recorded store
@@ -82,6 +96,9 @@ class Case:
     argv: list[str]  # STORE: the store's overrides; {root}: the store's folder; {specs}: the spec files' folder
     names: tuple[str, ...]  # the error line must name one of these
     spec: tuple[str, str, Any] | None = None  # (sweeps | experiments, file stem, content) to write first
+    # a file case: makes its path in a folder of its own (given the store's folder to copy from); {path} in argv
+    make: Callable[[Path, Path], Path] | None = None
+    good: bool = False  # a file case a command takes (an output not there yet): it must pass validation
 
     def __str__(self) -> str:
         return f"{self.item} [{self.kind}] `lab {' '.join(self.argv)}`"
@@ -424,6 +441,273 @@ def _drop_option(argv: list[str], action: argparse.Action) -> list[str]:
 VERBS = verbs()
 
 
+# ------------------------------------------------------------------------------------------------ files and folders
+#
+# Every config key, option and override that names a file or folder says so in the schema or the parser: a field's
+# `path` rules (lab/config.py, `checked(..., path=...)`), an option's type (lab/cli.py `_path(...)`, its `path`
+# attribute) and a verb's `named_files` (`sweep=PATH`). Each rule gets the paths of its kind (`file_inputs`): a
+# missing path, an empty file, binary content, a truncated file in the format it reads, a folder for a file and a
+# file for a folder, a path under a file, a symlink loop, and a folder with the right names and the wrong contents
+# (a target's, a drafter checkpoint's); an output gets the cases of an output, of which a path not there yet is
+# good. A bad one must be refused in one line naming the key or option before its verb's work (never reaching
+# `validated`), a good one must pass, and neither may change the case's folder.
+
+JSONL_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+BINARY = b"\xff\xfe\x00\x81 not text \x00\xc3\x28" * 8
+Maker = Callable[[Path, Path], Path]  # (the case's folder, the store's folder) -> the path to give
+
+
+def _write(name: str, data: bytes | str | Callable[[Path], bytes]) -> Maker:
+    def make(folder: Path, root: Path) -> Path:
+        content = data(root) if callable(data) else data
+        path = folder / name
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        return path
+
+    return make
+
+
+def _half(relative: str, keep: Callable[[int], int] = lambda n: n // 2 + 7) -> Callable[[Path], bytes]:
+    """The first part of one of the store's files (cut off inside it, not at a boundary)."""
+
+    def cut(root: Path) -> bytes:
+        data = (root / relative).read_bytes()
+        return data[: keep(len(data))]
+
+    return cut
+
+
+def _missing(name: str) -> Maker:
+    return lambda folder, root: folder / name
+
+
+def _new_under(name: str) -> Maker:  # an output whose folders are not there yet either
+    return lambda folder, root: folder / "new" / "deeper" / name
+
+
+def _a_folder(name: str) -> Maker:
+    def make(folder: Path, root: Path) -> Path:
+        (folder / name).mkdir()
+        return folder / name
+
+    return make
+
+
+def _under_a_file(name: str) -> Maker:
+    def make(folder: Path, root: Path) -> Path:
+        (folder / "a-file").write_text("not a folder\n")
+        return folder / "a-file" / name
+
+    return make
+
+
+def _loop(name: str) -> Maker:
+    def make(folder: Path, root: Path) -> Path:
+        (folder / name).symlink_to(folder / name)
+        return folder / name
+
+    return make
+
+
+def _copied(source: str, change: dict[str, bytes | Callable[[bytes], bytes]] | None = None) -> Maker:
+    """A copy of one of the store's folders (a target model, a drafter checkpoint), with files changed."""
+
+    def make(folder: Path, root: Path) -> Path:
+        out = folder / Path(source).name
+        shutil.copytree(root / source, out)
+        for name, new in (change or {}).items():
+            (out / name).write_bytes(new((out / name).read_bytes()) if callable(new) else new)
+        return out
+
+    return make
+
+
+def _cut(data: bytes) -> bytes:
+    return data[: len(data) // 2 + 7]
+
+
+def _flipped(data: bytes) -> bytes:  # the same size and header, another last byte: only a hash tells
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
+
+
+# what a truncated file of each format is, and its file name
+TRUNCATED: dict[str, tuple[str, bytes | str | Callable[[Path], bytes]]] = {
+    "jsonl": ("data.jsonl", json.dumps(JSONL_ROW) + "\n" + json.dumps(JSONL_ROW)[:30]),
+    "yaml": ("spec.yaml", "space:\n  train.lr: [0.001, 0.002\n  objectives: [{metric: eval/in"),
+    "gguf": ("model.gguf", b"GGUF" + bytes(60)),
+    "archive": ("study.tar.gz", _half("study.tar.gz")),
+    "sqlite": ("mlflow.db", _half("mlruns/mlflow.db")),
+    "journal": ("optuna.journal", _half("mlruns/optuna.journal", lambda n: n - 9)),
+}
+# a file of the right format holding something else
+OTHER = {"jsonl": '{"text": "hi"}\n', "yaml": "- just\n- a list\n", "journal": '{"text": "hi"}\n'}
+# a folder with the right names and the wrong contents, per format read there (and the good folder first)
+FOLDERS: dict[str, tuple[str, dict[str, dict[str, Any]]]] = {
+    "hf-model": ("chat", {
+        "config.json binary": {"config.json": BINARY},
+        "config.json truncated": {"config.json": _cut},
+        "weights binary": {"model.safetensors": BINARY},
+        "weights truncated": {"model.safetensors": _cut},
+        "tokenizer truncated": {"tokenizer.json": _cut},
+    }),
+    "checkpoint": ("drafter", {
+        "config.json binary": {"config.json": BINARY},
+        "config.json truncated": {"config.json": _cut},
+        "weights binary": {"model.safetensors": BINARY},
+        "weights truncated": {"model.safetensors": _cut},
+        "weights altered (hash)": {"model.safetensors": _flipped},
+        "manifest binary": {"lab_manifest.json": BINARY},
+    }),
+}  # fmt: skip
+
+
+def file_inputs(rule: PathRule) -> list[tuple[str, Maker, bool]]:
+    """(class, maker, good) of every path the rule's kind is tried with."""
+    name, truncated = TRUNCATED.get(rule.reads, ("folder" if rule.kind == "dir" else "file", None))
+    if rule.kind == "out-dir":
+        return [
+            ("not there", _missing("out"), True),
+            ("folders above not there", _new_under("out"), True),
+            ("a folder there", _a_folder("out"), True),
+            ("a file", _write("out", "a file\n"), False),
+            ("under a file", _under_a_file("out"), False),
+            ("symlink loop", _loop("out"), False),
+        ]
+    out = [("under a file", _under_a_file(name), False), ("symlink loop", _loop(name), False)]
+    if rule.kind == "out-file":
+        out += [
+            ("not there", _missing(name), True),
+            ("folders above not there", _new_under(name), True),
+            ("a folder", _a_folder(name), False),
+        ]
+        if rule.reads in ("sqlite", "journal"):  # a store it opens: an empty one is a new one
+            out += [("empty file", _write(name, b""), True), ("binary", _write(name, BINARY), False)]
+            out += [("truncated", _write(name, truncated), False)]
+        if rule.reads in OTHER:
+            out += [("something else", _write(name, OTHER[rule.reads]), False)]
+        return out
+    out += [("missing", _missing(name), False)]
+    if rule.kind == "dir":
+        out += [("a file", _write(name, "a file\n"), False), ("empty folder", _a_folder(name), False)]
+        if rule.reads in FOLDERS:
+            source, changes = FOLDERS[rule.reads]
+            out += [("the good one", _copied(source), True)]
+            out += [(kind, _copied(source, change), False) for kind, change in changes.items()]
+        return out
+    out += [("a folder", _a_folder(name), False), ("empty file", _write(name, b""), False)]
+    out += [("binary", _write(name, BINARY), False)]
+    if truncated is not None:
+        out += [("truncated", _write(name, truncated), False)]
+    if rule.reads in OTHER:
+        out += [("something else", _write(name, OTHER[rule.reads]), False)]
+    return out
+
+
+def _valued(rule: PathRule) -> str:
+    return rule.prefix + "{path}"
+
+
+def file_config_cases(key: str, rules: tuple[PathRule, ...]) -> list[Case]:
+    """The file cases of a config key: on the verb that reads it, with the overrides that make it read (its
+    rule's `when`, or for a suite's key: a configured suite of that kind, evaluated)."""
+    cases = []
+    for rule in rules:
+        parent = key.rsplit(".", 1)[0]
+        extra = [f"{parent}.{k}={v}" for k, v in rule.when.items() if not v.startswith("!")] if "." in key else []
+        if ".*." in key:
+            suites = _base().suites
+            name = next(n for n in sorted(suites) if rule.applies(suites[n].get))
+            key, extra = key.replace(".*.", f".{name}."), [f"eval.suites=[{name}]"]
+        base = base_argvs(rule.verb)[0]
+        item = f"{key} ({rule.kind}{': ' + rule.reads if rule.reads else ''})"
+        argv = [*base, *extra, f"{key}={_valued(rule)}"]
+        cases += [Case(item, cls, argv, (key,), make=make, good=good) for cls, make, good in file_inputs(rule)]
+    return cases
+
+
+def file_option_cases(verb: str, parser: argparse.ArgumentParser) -> list[Case]:
+    """The file cases of every option and argument of a verb whose type names a path, and of every override it
+    takes as a file (`named_files`)."""
+    cases = []
+    base = base_argvs(verb)[0]
+    for action in parser._actions:
+        for rule in getattr(action.type, "path", ()):
+            if action.option_strings:
+                option = action.option_strings[-1]
+                argv, names = [*_drop_option(base, action), option, _valued(rule)], _words(action)
+            else:
+                start = len(verb.split())
+                at = next(i for i, a in enumerate(base) if i >= start and a != STORE and "=" not in a)
+                argv, names = [*base[:at], _valued(rule), *base[at + 1 :]], _words(action)
+            item = f"{verb} {names[0]} ({rule.kind}{': ' + rule.reads if rule.reads else ''})"
+            cases += [Case(item, cls, argv, names, make=make, good=good) for cls, make, good in file_inputs(rule)]
+    for key, rule in parser._defaults.get("named_files", {}).items():
+        words = verb.split()
+        argv = [*words, f"{key}={_valued(rule)}", STORE]
+        item = f"{verb} {key}=PATH ({rule.kind}: {rule.reads})"
+        cases += [Case(item, cls, argv, (key, "{path}"), make=make, good=good) for cls, make, good in file_inputs(rule)]
+    return cases
+
+
+FILE_KEYS = [(k, path_rules(r)) for k, _, r in ruled_keys() if path_rules(r)]
+
+
+def _all_file_cases() -> list[Case]:
+    return [c for k, rules in FILE_KEYS for c in file_config_cases(k, rules)] + [
+        c for verb, parser in VERBS.items() for c in file_option_cases(verb, parser)
+    ]
+
+
+def _file_sample() -> list[Case]:
+    """This run's file cases: all of them, or with LAB_FUZZ_FILES=N a seeded N of them (every key and option
+    at least once)."""
+    cases = _all_file_cases()
+    wanted = os.environ.get("LAB_FUZZ_FILES", "all")
+    if wanted == "all" or int(wanted) >= len(cases):
+        return cases
+    rng = _rng("files")
+    by_item: dict[str, list[Case]] = {}
+    for c in cases:
+        by_item.setdefault(c.item, []).append(c)
+    chosen = [rng.choice(group) for group in by_item.values()]
+    rest = [c for c in cases if c not in chosen]
+    rng.shuffle(rest)
+    chosen += rest[: max(0, int(wanted) - len(chosen))]
+    return [c for c in cases if c in chosen]
+
+
+FILE_CASES = _file_sample()
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """What is in a case's folder (without following links): each entry's kind and its content's hash."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[rel] = f"link {os.readlink(p)}"
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
+
+
+def file_problem(case: Case, outcome: Outcome, names: tuple[str, ...], before: dict, after: dict) -> str | None:
+    """Why a file case's outcome is wrong: a good path refused, a bad one passing validation (its verb's work
+    would start on it), a refusal that is not one line naming the key and what is expected, or the case's
+    folder changed before the work."""
+    if before != after:
+        return f"changed its files before any work: {sorted(set(after.items()) ^ set(before.items()))[:3]}"
+    if case.good:
+        if outcome.valid:
+            return None
+        return "a good path refused: " + (problem(outcome, names) or outcome.err.strip())
+    if outcome.valid:
+        return "passed every check: the verb's work would start on it"
+    return problem(outcome, names)
+
+
 # ------------------------------------------------------------------------------------------------ running
 
 
@@ -467,7 +751,9 @@ class Fuzzer:
     run_id: str
     capsys: Any
     monkeypatch: Any
+    files: Path | None = None  # where file cases make their paths (never the store's folder)
     log: list[str] = field(default_factory=list)
+    path: str = ""  # the path the current file case made
 
     def argv(self, case: Case) -> list[str]:
         out = []
@@ -476,11 +762,21 @@ class Fuzzer:
                 out += _overrides(self.root)
             else:
                 out.append(a.replace("{root}", str(self.root)).replace("{specs}", str(self.specs)).replace(
-                    "{run}", self.run_id))  # fmt: skip
+                    "{run}", self.run_id).replace("{path}", self.path))  # fmt: skip
         return out
 
     def names(self, case: Case) -> tuple[str, ...]:
-        return tuple(n.replace("{specs}", str(self.specs)) for n in case.names)
+        return tuple(n.replace("{specs}", str(self.specs)).replace("{path}", self.path) for n in case.names)
+
+    def make(self, case: Case) -> Path:
+        """A fresh folder for a file case, with the case's path made in it."""
+        assert self.files is not None and case.make is not None
+        folder = self.files / hashlib.sha256(str(case).encode()).hexdigest()[:12]
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        self.path = str(case.make(folder, self.root))
+        return folder
 
     def write_spec(self, case: Case) -> None:
         if case.spec is not None:
@@ -510,8 +806,14 @@ class Fuzzer:
     def __call__(self, cases: list[Case]) -> list[str]:
         found = []
         for case in cases:
-            outcome = self.outcome(case)
-            why = problem(outcome, self.names(case))
+            if case.make is not None:
+                folder = self.make(case)
+                before = _tree(folder)
+                outcome = self.outcome(case)
+                why = file_problem(case, outcome, self.names(case), before, _tree(folder))
+            else:
+                outcome = self.outcome(case)
+                why = problem(outcome, self.names(case))
             shown = "valid" if outcome.valid else (outcome.err.strip().splitlines() or ["?"])[-1]
             self.log.append(f"{case}: {'PROBLEM ' + why if why else shown}")
             if why:
@@ -543,7 +845,8 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     from lab.track import transfer
 
     root = recorded
-    save_native(small_drafter(), root / "drafter")  # what `lab export SOURCE` exports
+    # what `lab export SOURCE` exports, and a drafter.checkpoint that fits the micro target (its 512 tokens)
+    save_native(small_drafter(vocab_size=512), root / "drafter")
     extra = _overrides(root)
     exp = experiment.load("drift_2x2")
     sweep = exp.as_sweep(extra)
@@ -559,7 +862,8 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     transfer.export_study(uri, parent.id, root / "study.tar.gz", study)  # what `lab study import` reads
     before = snapshot(root)
     run_id = next(r for r, v in before["runs"].items() if v["tags"].get("study") == "recorded")  # no checkpoint
-    return {"root": root, "run": run_id, "before": before, "specs": tmp_path_factory.mktemp("specs")}
+    specs, files = tmp_path_factory.mktemp("specs"), tmp_path_factory.mktemp("files")
+    return {"root": root, "run": run_id, "before": before, "specs": specs, "files": files}
 
 
 @pytest.fixture
@@ -573,7 +877,7 @@ def fuzz(store, capsys, monkeypatch) -> Fuzzer:
     monkeypatch.setattr(cli, "validated", stop)
     monkeypatch.chdir(store["root"])
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # a wheel not in the cache cannot be downloaded
-    yield Fuzzer(store["root"], store["specs"], store["run"], capsys, monkeypatch)
+    yield Fuzzer(store["root"], store["specs"], store["run"], capsys, monkeypatch, store["files"])
     assert _files(store["root"]) == store["before"]["files"]
 
 
@@ -682,6 +986,65 @@ def test_the_surface_is_covered():
     counts["options"] = len(cases) - counts["config"] - counts["spec"]
     print(f"fuzz cases this run (seed {SEED}): {counts}, {len(cases)} in all, + {SUBPROCESS_SAMPLE} subprocesses")
     assert counts["config"] >= len(CONFIG_KEYS)
+
+
+@pytest.mark.parametrize("item", sorted({c.item for c in FILE_CASES}))
+def test_file_input(item, fuzz):
+    """Every path case of one key or option: refused in one line naming it before any work, or, an output not
+    there yet, passing; its folder untouched either way."""
+    problems = fuzz([c for c in FILE_CASES if c.item == item])
+    assert not problems, "\n".join(problems)
+
+
+# the words of a field or an option that names a file or folder: each such one must say so (a path rule)
+PATHLIKE_FIELD = re.compile(r"(^|_)(path|dir|root|checkpoint|uri|storage|file)$")
+PATHLIKE_HELP = re.compile(r"\b(folder|file|directory|archive|storage|path)\b", re.I)
+
+
+def test_every_file_input_is_fuzzed():
+    """Every config key, option and override that names a file or folder declares it (a key named like a path
+    has a `path` rule; an option whose help speaks of a file or folder has a path type), and every declared one
+    has cases of its kind in every run."""
+    items = {c.item.split(" (")[0] for c in FILE_CASES}
+    for key, tp in CONFIG_KEYS:
+        if strip_optional(tp) is str and PATHLIKE_FIELD.search(key.rsplit(".", 1)[-1]):
+            assert any(k == key for k, _ in FILE_KEYS), f"{key} names a file or folder: give it a path rule"
+    for key, _ in FILE_KEYS:
+        assert any(i == key or re.fullmatch(re.escape(key).replace(r"\*", r"[^.]+"), i) for i in items), key
+    for verb, parser in VERBS.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or action.dest == "overrides":
+                continue
+            if PATHLIKE_HELP.search(f"{action.help} {action.metavar or ''}") and action.nargs != 0:
+                assert hasattr(action.type, "path"), f"{verb} {action.option_strings or action.dest}: a path type"
+            if getattr(action.type, "path", ()):
+                assert f"{verb} {_words(action)[0]}" in items, (verb, action.dest)
+        for key in parser._defaults.get("named_files", {}):
+            assert f"{verb} {key}=PATH" in items, (verb, key)
+    kinds = {}
+    for c in _all_file_cases():
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    print(f"file cases this run: {len(FILE_CASES)} of {len(_all_file_cases())}; all of them by class: {kinds}")
+
+
+def test_failing_file_cases_fail_the_same_through_the_real_command(fuzz, store):
+    """A seeded sample of refused file cases through `python -m lab.cli`: exit 2 and the one line the in-process
+    run gave, and the case's folder untouched."""
+    cases = [c for c in FILE_CASES if not c.good]
+    _rng("file subprocess").shuffle(cases)
+    for case in cases[:FILE_SUBPROCESS_SAMPLE]:
+        folder = fuzz.make(case)
+        outcome = fuzz.outcome(case)
+        assert not outcome.valid, case
+        before = _tree(folder)
+        env = {**os.environ, "PIP_NO_INDEX": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "lab.cli", *fuzz.argv(case)],
+            capture_output=True, text=True, cwd=store["root"], env=env, timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 2, f"{case}: {proc.stderr[-2000:]}"
+        assert proc.stderr.strip().splitlines() == outcome.err.strip().splitlines(), case
+        assert _tree(folder) == before, case
 
 
 def test_the_recorded_store_is_unchanged(store):

@@ -118,21 +118,25 @@ def read_jsonl(path: str | Path, key: str = "data.path") -> list[Conversation]:
             raise ConfigError(key, f"{where}: expected user and assistant turns in turn (after an optional system)")
         out.append(Conversation(str(row.get("id", f"line{number}")), tuple(messages)))
     if not out:
-        raise ConfigError(key, f"{path} holds no conversations")
+        raise ConfigError(key, f'{path} holds no conversations; expected one {{"messages": [...]}} object a line')
     return out
 
 
 def jsonl_rows(path: Path, key: str) -> Iterator[tuple[int, str, Any]]:
     """(line number, "FILE:LINE", parsed object) of each non-empty line; a line that is not JSON is a
-    ConfigError naming `key`, the file and the line."""
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    ConfigError naming `key`, the file and the line (or the file, when it is not UTF-8 text)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(key, f"{path}: not UTF-8 text (byte {exc.start}); expected JSONL (UTF-8)") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             yield number, where, json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ConfigError(key, f"{where}: not JSON ({exc.msg})") from None
+            raise ConfigError(key, f"{where}: not JSON ({exc.msg}); expected one JSON object a line") from None
 
 
 def _id_hash(conv_id: str, salt: str = "") -> int:

@@ -155,24 +155,41 @@ def read_jsonl(
     is rendered in `template` (by `fmt` where given: the training data's format), ending where the
     assistant answers (a final assistant turn is dropped)."""
     out = []
-    for _, where, row in jsonl_rows(path, key):
-        if not isinstance(row, dict) or not ("prompt" in row) ^ ("messages" in row):
-            raise ConfigError(key, f"{where}: expected an object with either 'prompt' or 'messages'")
-        if "prompt" in row:
+    for row, messages in prompt_rows(path, key):
+        if messages is None:
             ids = ([renderer.bos] if renderer.bos is not None else []) + renderer.encode(str(row["prompt"]))
         else:
-            messages = list(row["messages"])
-            if messages and messages[-1].get("role") == "assistant":
-                messages = messages[:-1]
-            roles = {m.get("role") for m in messages}
-            if not messages or not roles <= {"system", "user", "assistant"}:
-                raise ConfigError(key, f"{where}: messages need roles system/user/assistant, got {sorted(roles)}")
             if fmt is not None:
                 ids = fmt.prompt([{"role": m["role"], "content": str(m.get("content", ""))} for m in messages])
             else:
                 turns = [(m["role"], str(m.get("content", "")), []) for m in messages]
                 ids = renderer.render_turns(chat.TEMPLATES[template], turns)[0]
         out.append((str(row.get("category", "all")), ids))
+    return out
+
+
+def prompt_rows(path: Path, key: str) -> list[tuple[dict, list[dict] | None]]:
+    """The rows of a jsonl suite's file, checked (no tokenizer needed: lab/preflight.py reads them before any
+    work): each row and its messages up to the assistant's answer (None for a {"prompt": ...} row)."""
+    out: list[tuple[dict, list[dict] | None]] = []
+    for _, where, row in jsonl_rows(path, key):
+        if not isinstance(row, dict) or not ("prompt" in row) ^ ("messages" in row):
+            raise ConfigError(key, f"{where}: expected an object with either 'prompt' or 'messages'")
+        if "prompt" in row:
+            out.append((row, None))
+            continue
+        raw = row["messages"]
+        messages = list(raw) if isinstance(raw, list) and all(isinstance(m, dict) for m in raw) else None
+        if messages is None:
+            raise ConfigError(key, f"{where}: messages: expected a list of role/content objects, got {raw!r:.60}")
+        if messages and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]
+        roles = {m.get("role") for m in messages}
+        if not messages or not roles <= {"system", "user", "assistant"}:
+            raise ConfigError(
+                key, f"{where}: messages: expected roles among system/user/assistant, got {sorted(map(str, roles))}"
+            )
+        out.append((row, messages))
     if not out:
-        raise ConfigError(key, f"{path} holds no prompts")
+        raise ConfigError(key, f'{path} holds no prompts; expected one {{"prompt": ...}} or {{"messages": ...}} a line')
     return out

@@ -285,8 +285,8 @@ def verify(path: str | Path) -> None:
     if not (path / MANIFEST).is_file():
         return
     try:
-        hashes = json.loads((path / MANIFEST).read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        hashes = dict(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["files"])
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path / MANIFEST}: unreadable (corrupted checkpoint); re-export or retrain") from None
     bad = mismatched_file(path, hashes)
     if bad is not None:

@@ -77,7 +77,7 @@ def open_storage(url: str, key: str) -> Storage:
                 raise ConfigError(key, f"'{shown}' has no Optuna tables, so no study yet ({first})") from None
             raise ConfigError(key, f"cannot read Optuna studies from '{shown}': {first}") from None
     if not studies:
-        raise ConfigError(key, f"'{shown}' holds no Optuna study yet (`lab sweep` makes one)")
+        raise ConfigError(key, f"'{shown}' holds no Optuna study yet (`lab sweep` makes one); expected a study")
     return Storage(url, storage, studies)
 
 

@@ -35,8 +35,8 @@ from lab.composition import compose
 from lab.config import ConfigError
 from lab.fsutil import short_hash
 from lab.identity import config_hash
-from lab.preflight import check_checkpoint, check_target
-from lab.rules import expected_got
+from lab.preflight import check_checkpoint, check_paths, check_target
+from lab.rules import PathRule, expected_got, path_problem
 from lab.sweep import specfile
 from lab.sweep.schema import ParamSpec, SweepSpec
 from lab.sweep.specfile import read_yaml
@@ -45,6 +45,7 @@ SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
 PRUNE_METRIC = keys.train_stat("simulated_acc_len")
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
 _PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
+SPEC_FILE = PathRule("file", "yaml")  # `sweep=PATH.yaml`
 
 
 @dataclass
@@ -188,7 +189,7 @@ class Sweep:
 
     def check(self, extra: list[str]) -> DictConfig:
         """Compose every grid point (or both ends of every range) with every override before anything
-        runs, check its drafter.checkpoint (lab/preflight.py; not whether vLLM can serve it: a study tags
+        runs, check its files and drafter.checkpoint (lab/preflight.py; not whether vLLM can serve it: a study tags
         such an arm `vllm_skipped`), and check that each objective is a metric the runs log. Returns the
         first config."""
         swept = {p.name for p in self.space if p.kind != "bundle"}
@@ -200,6 +201,7 @@ class Sweep:
         for params in self.probes():
             try:
                 cfg = compose(self.trial_overrides(params, self.seeds[0], extra))
+                check_paths(cfg)
                 check_target(cfg)
                 check_checkpoint(cfg)
             except ConfigError as exc:
@@ -270,6 +272,8 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
         name, where = path.stem, name
         if path.is_dir():
             raise ConfigError(where, "is a directory; expected a sweep spec file (YAML)")
+        if (problem := path_problem(SPEC_FILE, where, missing=False)) is not None:  # a loop, under a file
+            raise ConfigError(where, f"{problem}; expected a sweep spec file (YAML)")
         if not path.is_file():
             raise ConfigError(
                 where, f"no such file; expected a sweep spec file (YAML) or one of sweeps/: {', '.join(available())}"
