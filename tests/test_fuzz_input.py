@@ -947,6 +947,17 @@ def _all_cases() -> list[Case]:
     )
 
 
+def _the_real_command_says(fuzz, case, store, outcome) -> None:
+    """`case` through the real `lab` command in a subprocess: exit 2 and the same one line as in process."""
+    env = {**os.environ, "PIP_NO_INDEX": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lab.cli", *fuzz.argv(case)],
+        capture_output=True, text=True, cwd=store["root"], env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, f"{case}: {proc.stderr[-2000:]}"
+    assert proc.stderr.strip().splitlines() == outcome.err.strip().splitlines(), case
+
+
 def test_failing_cases_fail_the_same_through_the_real_command(fuzz, store):
     """A seeded sample of failing cases (experiment specs aside: they are read from a patched folder) through
     `python -m lab.cli`: exit 2 and the one line the in-process run gave, and nothing recorded."""
@@ -959,13 +970,7 @@ def test_failing_cases_fail_the_same_through_the_real_command(fuzz, store):
         outcome = fuzz.outcome(case)
         if outcome.valid:
             continue
-        env = {**os.environ, "PIP_NO_INDEX": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "lab.cli", *fuzz.argv(case)],
-            capture_output=True, text=True, cwd=store["root"], env=env, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 2, f"{case}: {proc.stderr[-2000:]}"
-        assert proc.stderr.strip().splitlines() == outcome.err.strip().splitlines(), case
+        _the_real_command_says(fuzz, case, store, outcome)
         checked += 1
     assert checked == SUBPROCESS_SAMPLE
 
@@ -1037,13 +1042,7 @@ def test_failing_file_cases_fail_the_same_through_the_real_command(fuzz, store):
         outcome = fuzz.outcome(case)
         assert not outcome.valid, case
         before = _tree(folder)
-        env = {**os.environ, "PIP_NO_INDEX": "1"}
-        proc = subprocess.run(
-            [sys.executable, "-m", "lab.cli", *fuzz.argv(case)],
-            capture_output=True, text=True, cwd=store["root"], env=env, timeout=300,
-        )  # fmt: skip
-        assert proc.returncode == 2, f"{case}: {proc.stderr[-2000:]}"
-        assert proc.stderr.strip().splitlines() == outcome.err.strip().splitlines(), case
+        _the_real_command_says(fuzz, case, store, outcome)
         assert _tree(folder) == before, case
 
 

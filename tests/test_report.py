@@ -119,12 +119,9 @@ def _log_run(uri: str, art: str, parent: str, arm: str, seed: int, fail: str = "
                 raise RuntimeError("worker died")
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> tuple[list[str], str]:
-    """A drift_2x2 study of 2 seeds: eagle31 lacks seed 1 (its run failed), norm_output's seed 1 was
-    pruned and then completed on retry."""
-    root = tmp_path_factory.mktemp("report")
-    uri, art = f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts")
+def log_study(uri: str, art: str) -> str:
+    """A drift_2x2 study of 2 seeds in the store: eagle31 lacks seed 1 (its run failed), norm_output's seed 1
+    was pruned and then completed on retry; the parent run's id."""
     tags = {"study": "drift_2x2", "sweep": "drift_2x2", "optuna_study": "drift_2x2-test", "git_commit": "abc123"}
     with track.parent_run(uri, art, "drift_2x2", "sweep-drift_2x2", "drift_2x2-test", tags) as parent:
         parent.log_params({"sweep.seeds": [0, 1]})
@@ -136,7 +133,14 @@ def store(tmp_path_factory) -> tuple[list[str], str]:
                 if (arm, seed) == ("norm_output", 1):
                     _log_run(uri, art, parent.id, arm, seed, fail="PRUNED")
                 _log_run(uri, art, parent.id, arm, seed)
-    return [f"tracking.uri={uri}", f"tracking.artifact_root={art}"], parent.id
+    return parent.id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> tuple[list[str], str]:
+    root = tmp_path_factory.mktemp("report")
+    uri, art = f"sqlite:///{root / 'mlflow.db'}", str(root / "artifacts")
+    return [f"tracking.uri={uri}", f"tracking.artifact_root={art}"], log_study(uri, art)
 
 
 def _report(store, out: Path, capsys) -> str:

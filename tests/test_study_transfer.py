@@ -24,7 +24,7 @@ import optuna
 import pytest
 from mlflow.entities import Dataset, DatasetInput, InputTag, ViewType
 from mlflow.tracking import MlflowClient
-from test_report import ARMS, _log_run
+from test_report import ARMS, log_study
 
 from lab import track
 from lab.cli import main
@@ -73,25 +73,15 @@ def source(tmp_path_factory) -> tuple[Store, str]:
     Optuna study (one trial per child, `mlflow_run_id` naming it); the parent run's id."""
     store = Store(tmp_path_factory.mktemp("source"))
     uri, art = store.uri, store.art
-    tags = {"study": "drift_2x2", "sweep": "drift_2x2", "optuna_study": STUDY, "git_commit": "abc123"}
-    with track.parent_run(uri, art, "drift_2x2", "sweep-drift_2x2", STUDY, tags) as parent:
-        parent.log_params({"sweep.seeds": [0, 1]})
-        for arm in ARMS:
-            for seed in (0, 1):
-                if (arm, seed) == ("eagle31", 1):
-                    _log_run(uri, art, parent.id, arm, seed, fail="FAILED")
-                    continue
-                if (arm, seed) == ("norm_output", 1):
-                    _log_run(uri, art, parent.id, arm, seed, fail="PRUNED")
-                _log_run(uri, art, parent.id, arm, seed)
+    parent_id = log_study(uri, art)
     checkpoint = store.root / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
     (checkpoint / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     study = optuna.create_study(study_name=STUDY, storage=_journal(store.journal), direction="maximize")
-    study.set_user_attr("mlflow_parent_run_id", parent.id)
+    study.set_user_attr("mlflow_parent_run_id", parent_id)
     arm_space = optuna.distributions.CategoricalDistribution(list(ARMS))
-    children = sorted(track.child_runs(uri, parent.id), key=lambda r: (r.info.start_time, r.info.run_id))
+    children = sorted(track.child_runs(uri, parent_id), key=lambda r: (r.info.start_time, r.info.run_id))
     client = MlflowClient(tracking_uri=uri)
     for run in children:
         ok = run.info.status == "FINISHED"
@@ -106,7 +96,7 @@ def source(tmp_path_factory) -> tuple[Store, str]:
             user_attrs={"mlflow_run_id": run.info.run_id, "seed": int(run.data.tags["seed"])},
         )
         study.add_trial(trial)
-    return store, parent.id
+    return store, parent_id
 
 
 def _journal(path: Path) -> optuna.storages.BaseStorage:
