@@ -18,23 +18,21 @@ math against the CPU kernel, forward and gradients, and the CUDA branch's glue u
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 
-class Kernel:
+class Kernel(Protocol):
     """Causal attention with a log-sum-exp: q [B, H, n, d], k, v [B, H, T, d], `future` [B, n, T] (True where
     a query may not look) -> out [B, H, n, d] in q's dtype, lse [B, H, n] float32, and whatever the backward
     needs besides (`saved`). The backward takes the gradient of out and the (possibly changed) out and lse."""
 
-    name = "abstract"
+    name: str
 
-    def forward(self, q, k, v, future, scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]:  # noqa: ANN001
-        raise NotImplementedError
+    def forward(self, q, k, v, future, scale: float) -> tuple[torch.Tensor, torch.Tensor, Any]: ...  # noqa: ANN001
 
-    def backward(self, grad, q, k, v, out, lse, saved, scale: float):  # noqa: ANN001, ANN201
-        raise NotImplementedError
+    def backward(self, grad, q, k, v, out, lse, saved, scale: float): ...  # noqa: ANN001, ANN201
 
 
 def _additive_mask(future: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
@@ -46,7 +44,7 @@ def _additive_mask(future: torch.Tensor, dtype: torch.dtype, align: int = 1) -> 
     return mask.masked_fill_(future[:, None], float("-inf"))
 
 
-class _CpuFlash(Kernel):
+class _CpuFlash:
     name = "cpu-flash"
 
     def forward(self, q, k, v, future, scale):  # noqa: ANN001, D102
@@ -62,7 +60,7 @@ class _CpuFlash(Kernel):
         )
 
 
-class _CudaEfficient(Kernel):
+class _CudaEfficient:
     name = "cuda-efficient"
     ALIGN = 16  # the kernel reads its bias rows in aligned chunks (SDPA pads masks to 16 elements too)
 
@@ -83,7 +81,7 @@ class _CudaEfficient(Kernel):
         return dq, dk, dv
 
 
-class _Portable(Kernel):
+class _Portable:
     """The kernels' contract in plain tensor math, for any device (and the reference the tests hold the
     fused kernels to)."""
 

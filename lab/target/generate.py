@@ -157,13 +157,9 @@ def open_generator(
             keys = list(requests)
             return dict(zip(keys, run([requests[k][0] for k in keys], [requests[k][1] for k in keys]), strict=True))
 
-        def rows(length: int) -> int:
-            weight = target.model.get_output_embeddings().weight
-            if weight.device.type != "cuda":
-                return 0
-            return hf_batch_rows(target.model.config, weight.dtype, length, torch.cuda.mem_get_info(weight.device)[0])
-
         try:
+            # on a CPU, no preference: regeneration's pool stays at its chunk size
+            rows = (lambda n: _batch_rows(target.model, n)) if target.device.type == "cuda" else (lambda n: 0)
             yield Greedy(run, step, eos, max_positions, rows)
         finally:
             torch.set_num_threads(previous)
@@ -206,15 +202,19 @@ def hf_batch_rows(config: Any, dtype: torch.dtype, length: int, free_bytes: int 
     return max(HF_BATCH, min(HF_BATCH_MAX, free_bytes // 2 // per_row))
 
 
+def _batch_rows(model: Any, length: int) -> int:
+    """`hf_batch_rows` for `model` on its device (the free memory read where it is a GPU)."""
+    weight = model.get_output_embeddings().weight
+    free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
+    return hf_batch_rows(model.config, weight.dtype, length, free)
+
+
 def _hf_generate(model: Any, prompts: list[list[int]], limits: list[int], eos: int, progress: bool) -> list[list[int]]:
     """Batches of similar length (less padding), longest first, so a memory or length problem shows at once;
     as many rows a batch as `hf_batch_rows` says the device holds."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outs: list[list[int]] = [[] for _ in prompts]
-    weight = model.get_output_embeddings().weight
-    free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
-    longest = max((len(p) + n for p, n in zip(prompts, limits, strict=True)), default=1)
-    batch = hf_batch_rows(model.config, weight.dtype, longest, free)
+    batch = _batch_rows(model, max((len(p) + n for p, n in zip(prompts, limits, strict=True)), default=1))
     with tqdm(total=len(prompts), desc="greedy (hf)", unit="prompt", leave=False, disable=not progress) as bar:
         for start in range(0, len(order), batch):
             rows = order[start : start + batch]
