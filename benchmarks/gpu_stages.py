@@ -17,12 +17,15 @@ backward included) per second over the card's dense bf16 peak; CPUs have no entr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import platform
 import shlex
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,6 +54,33 @@ SMOLLM2 = dict(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_syncs(device: torch.device, fn) -> int | None:  # noqa: ANN001
+    """Runs `fn`: how many times it made the host wait for the GPU (torch's sync debug mode counts them); None
+    off CUDA."""
+    if device.type != "cuda":
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, value):  # noqa: ANN001
+    """`owner.name` set to `value` for the block."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
 
 
 def _timed(device: torch.device, fn) -> float:  # noqa: ANN001
@@ -116,74 +146,137 @@ def main() -> int:
     model, vocab = target.model, target.vocab_size
     g = torch.Generator().manual_seed(0)
     rows: list[tuple[str, str, float, str]] = []
-
-    # greedy generation: regeneration's hf loop, every row to its limit (eos -1 never comes)
-    prompts = torch.randint(0, vocab, (gen_rows, prompt_len), generator=g).tolist()
-    greedy_batch(model, prompts[:2], [2, 2], -1)  # warm-up
-    seconds = _timed(device, lambda: greedy_batch(model, prompts, [new_tokens] * gen_rows, -1))
-    rows.append(("generation (hf)", f"{gen_rows} rows x {new_tokens} new", gen_rows * new_tokens / seconds, ""))
-
-    # the reference decoder: plain, then k = 3 with probes, on the same prompts
-    dcfg = OmegaConf.structured(DrafterConfig)
     aux = [2, target.num_layers // 2, target.num_layers - 3]
-    counts = torch.randint(0, 1000, (vocab,), generator=g)  # the draft vocabulary: any 16,384 of the tokens
-    drafter = init_drafter(target, dcfg, aux, seed=0, token_counts=counts).eval()
-    dec = torch.randint(0, vocab, (dec_prompts, prompt_len), generator=g).tolist()
-    target_decode(model, dec[0], 4)
-    speculative_decode(model, drafter, dec[0], 4, 3, DriftProbes(3))
-    plain = spec = 0.0
-    plain_tokens = spec_tokens = 0
-    for prompt in dec:
-        tokens, s = target_decode(model, prompt, dec_new)
-        plain, plain_tokens = plain + s, plain_tokens + len(tokens)
-        tokens, stats = speculative_decode(model, drafter, prompt, dec_new, 3, DriftProbes(3))
-        spec, spec_tokens = spec + stats.seconds, spec_tokens + len(tokens)
-    rows.append(("plain decoding", f"{dec_prompts} prompts x {dec_new}, batch 1", plain_tokens / plain, ""))
-    rows.append(("speculative, k=3, probes", f"{dec_prompts} prompts x {dec_new}", spec_tokens / spec, ""))
 
-    # hidden-state capture, in chunks of 64 sequences
-    ids = torch.randint(0, vocab, (cap_b, cap_t), generator=g).to(device)
-    capture(model, ids[:2], aux)
+    def run(name: str, shape: str, fn) -> None:  # noqa: ANN001
+        """One stage: its row, or a row saying how it failed (the next stage runs all the same)."""
+        try:
+            got = fn()
+            rows.extend(got)
+            print(*(f"{row[0]}: {row[2]:,.0f} tokens/s {row[3]}" for row in got), sep="\n", flush=True)
+        except Exception as exc:  # noqa: BLE001 - a benchmark reports every stage, whatever broke before
+            traceback.print_exc()
+            rows.append((name, shape, float("nan"), f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
 
-    def capture_all() -> None:
-        for a in range(0, cap_b, 64):
-            capture(model, ids[a : a + 64], aux, dtype=torch.bfloat16)
+    def generation():
+        # greedy generation: regeneration's hf loop, every row to its limit (eos -1 never comes)
+        prompts = torch.randint(0, vocab, (gen_rows, prompt_len), generator=g).tolist()
+        greedy_batch(model, prompts[:2], [2, 2], -1)  # warm-up
+        syncs = host_syncs(device, lambda: greedy_batch(model, prompts[:2], [8, 8], -1))
+        seconds = _timed(device, lambda: greedy_batch(model, prompts, [new_tokens] * gen_rows, -1))
+        note = "" if syncs is None else f"{syncs / 8:.1f} host syncs / token"
+        return [("generation (hf)", f"{gen_rows} rows x {new_tokens} new", gen_rows * new_tokens / seconds, note)]
 
-    rows.append(("capture", f"{cap_b} x {cap_t}", cap_b * cap_t / _timed(device, capture_all), ""))
+    def decoding():
+        # the reference decoder: plain, then k = 3 with probes, on the same prompts
+        drafter = make_drafter().eval()
+        dec = torch.randint(0, vocab, (dec_prompts, prompt_len), generator=g).tolist()
+        target_decode(model, dec[0], 4)
+        speculative_decode(model, drafter, dec[0], 4, 3, DriftProbes(3))
+        plain_syncs = host_syncs(device, lambda: target_decode(model, dec[0], 16))
+        spec_out: list = []
 
-    # training: one TTT-3 step (loss, backward, AdamW) on a random batch, as lab.train.ttt.train steps it
-    from torch.utils.flop_counter import FlopCounterMode
+        def spec16() -> None:
+            spec_out.append(speculative_decode(model, drafter, dec[0], 16, 3, DriftProbes(3)))
 
-    from lab.device import autocast
+        spec_syncs = host_syncs(device, spec16)
+        plain = spec = 0.0
+        plain_tokens = spec_tokens = 0
+        for prompt in dec:
+            tokens, s = target_decode(model, prompt, dec_new)
+            plain, plain_tokens = plain + s, plain_tokens + len(tokens)
+            tokens, stats = speculative_decode(model, drafter, prompt, dec_new, 3, DriftProbes(3))
+            spec, spec_tokens = spec + stats.seconds, spec_tokens + len(tokens)
 
-    drafter.train()
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    batch = [
-        torch.randint(0, vocab, (train_b, train_t), generator=g).to(device),
-        torch.randn(train_b, train_t, len(aux) * target.hidden_size, generator=g).to(device, torch.bfloat16),
-        torch.randn(train_b, train_t, target.hidden_size, generator=g).to(device, torch.bfloat16),
-    ]
+        def per_token(syncs: int | None, tokens: int) -> str:
+            return "" if syncs is None else f"{syncs / max(1, tokens):.1f} host syncs / token"
 
-    def step() -> None:
-        with autocast(device, dtype):
-            loss = ttt_loss(drafter, *batch, target.lm_head_weight, 3, 0.8).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        shape = f"{dec_prompts} prompts x {dec_new}"
+        return [
+            ("plain decoding", f"{shape}, batch 1", plain_tokens / plain, per_token(plain_syncs, 16)),
+            ("speculative, k=3, probes", shape, spec_tokens / spec, per_token(spec_syncs, len(spec_out[0][0]))),
+        ]
 
-    step()
-    with FlopCounterMode(display=False) as counter:
-        step()
-    flops = counter.get_total_flops()
-    steps = 3 if small else 10
-    seconds = _timed(device, lambda: [step() for _ in range(steps)]) / steps
-    peak = peak_flops(device)
-    mfu = (
-        f"MFU {100 * flops / seconds / peak:.1f} % ({flops / seconds / 1e12:.1f} TFLOP/s)"
-        if peak
-        else (f"{flops / seconds / 1e12:.2f} TFLOP/s (no peak known for this device)")
-    )
-    rows.append(("training, TTT 3", f"{train_b} x {train_t}", train_b * train_t / seconds, mfu))
+    def capture_stage():
+        # hidden-state capture, in chunks of 64 sequences
+        ids = torch.randint(0, vocab, (cap_b, cap_t), generator=g).to(device)
+        capture(model, ids[:2], aux)
+
+        def capture_all() -> None:
+            for a in range(0, cap_b, 64):
+                capture(model, ids[a : a + 64], aux, dtype=torch.bfloat16)
+
+        return [("capture", f"{cap_b} x {cap_t}", cap_b * cap_t / _timed(device, capture_all), "")]
+
+    def training():
+        # training: one TTT-3 step (loss, backward, AdamW) on a random batch, as lab.train.ttt.train steps it
+        from torch.utils.flop_counter import FlopCounterMode
+
+        from lab.device import autocast
+
+        drafter = make_drafter().train()
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+        batch = [
+            torch.randint(0, vocab, (train_b, train_t), generator=g).to(device),
+            torch.randn(train_b, train_t, len(aux) * target.hidden_size, generator=g).to(device, torch.bfloat16),
+            torch.randn(train_b, train_t, target.hidden_size, generator=g).to(device, torch.bfloat16),
+        ]
+
+        def step() -> None:
+            with autocast(device, dtype):
+                loss = ttt_loss(drafter, *batch, target.lm_head_weight, 3, 0.8).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        from lab.drafter import ttt_attention
+
+        # the FLOPs of the attention's math (the portable kernel's plain matmuls: every kernel does this work);
+        # torch's counter refuses some SDPA calls (grouped-query heads on CUDA): then no MFU, the timings stay
+        flops, why = None, ""
+        try:
+            with patched(ttt_attention, "kernel_for", lambda _: ttt_attention.PORTABLE):
+                with FlopCounterMode(display=False) as counter:
+                    step()
+            flops = counter.get_total_flops()
+        except AssertionError as exc:
+            why = f"no FLOP count ({str(exc)[:60]})"
+        peak = peak_flops(device)
+        timed_steps = 3 if small else 10
+        out = []
+        kernels = [None] if device.type != "cuda" else [None, ttt_attention.CUDA_EFFICIENT, ttt_attention.PORTABLE]
+        for kernel in kernels:  # the device's choice first, then the others it could have made, side by side
+            with patched(ttt_attention, "kernel_for", (lambda _, k=kernel: k) if kernel else ttt_attention.kernel_for):
+                name = (kernel or ttt_attention.kernel_for(device)).name
+                try:
+                    step()
+                    syncs = host_syncs(device, step)
+                    seconds = _timed(device, lambda: [step() for _ in range(timed_steps)]) / timed_steps
+                except Exception as exc:  # noqa: BLE001 - the next kernel is timed all the same
+                    out.append((f"training, TTT 3 ({name})", f"{train_b} x {train_t}", float("nan"), f"failed: {exc}"))
+                    continue
+            mfu = (
+                why
+                if flops is None
+                else f"MFU {100 * flops / seconds / peak:.1f} % ({flops / seconds / 1e12:.1f} TFLOP/s)"
+                if peak
+                else f"{flops / seconds / 1e12:.2f} TFLOP/s (no peak known for this device)"
+            )
+            if syncs is not None:
+                mfu += f"; {syncs} host syncs / step"
+            out.append((f"training, TTT 3 ({name})", f"{train_b} x {train_t}", train_b * train_t / seconds, mfu))
+        return out
+
+    def make_drafter():
+        dcfg = OmegaConf.structured(DrafterConfig)
+        counts = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(1))  # any 16,384 tokens
+        return init_drafter(target, dcfg, aux, seed=0, token_counts=counts)
+
+    run("generation (hf)", f"{gen_rows} rows x {new_tokens} new", generation)
+    run("decoding", f"{dec_prompts} prompts x {dec_new}", decoding)
+    run("capture", f"{cap_b} x {cap_t}", capture_stage)
+    run("training, TTT 3", f"{train_b} x {train_t}", training)
 
     command = "python benchmarks/gpu_stages.py " + shlex.join(sys.argv[1:])
     head = (
@@ -200,7 +293,7 @@ def main() -> int:
         with RESULTS.open("a") as f:
             f.write("\n" + text)
         print(f"appended to {RESULTS}")
-    return 0
+    return 1 if any(note.startswith("failed") for *_, note in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,43 +1,87 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 38 and 39 in one run, on a machine whose python3 has a CUDA torch and no registry:
-# install from a wheelhouse carried beside the repository, then the gpu tier, the stage benchmark and (where the
-# SmolLM2 and data wheels are there too) the smoke run and the quick drift_2x2, each timed; a table last.
+# The GPU check in one go, on a machine whose python3 has a CUDA torch and no registry: install from a
+# wheelhouse carried beside the repository, then the gpu tier, the stage benchmark and (where the SmolLM2 and
+# data wheels are there too) the smoke run and the quick drift_2x2. Every stage runs and reports whatever
+# failed before it (no -x; each test and each stage has its own time limit), and a table comes last.
 #
 # Here (with the registry), once:  make wheelhouse WHEELS=.whl PYTHON_VERSION=3.12 EXTRAS=none \
 #                                       HAVE=scripts/device-packages.txt          # ~56 MiB: fits one call
 # There:                           bash scripts/gpu_session.sh [OUT_DIR]
-# With ASSETS (LAB_WHEELS=DIR holding the asset wheels: the SmolLM2 GGUF alone is 89 MiB, so it travels in
-# parts joined there) the SmolLM2 stages run too; without them they are skipped, and the table says so.
+# Outputs, at most 8 files in OUT_DIR: session.md (device and table), install.log, tier.log, tier.xml (JUnit),
+# stages.log, RESULTS.md, and smollm2.log where the SmolLM2 stages ran.
+#
+# The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR). The SmolLM2 GGUF's wheel alone is 89 MiB, over one
+# call's 64 MiB: `bash scripts/gpu_session.sh --split WHEEL DIR` cuts it into parts here; carry one part a call
+# to a warm machine and `bash scripts/gpu_session.sh --stash DIR` there each time (parts collect in
+# /tmp/lab-wheels); a part set that is whole is joined and checked before the SmolLM2 stages run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STASH=/tmp/lab-wheels
+case "${1:-}" in
+    --split)  # --split WHEEL DIR: 40 MiB parts WHEEL.part-aa, -ab, ... into DIR
+        mkdir -p "$3" && split -b 40M "$2" "$3/$(basename "$2").part-" && ls -l "$3"; exit ;;
+    --stash)  # --stash DIR: copy the parts and whole wheels carried in DIR to the machine's stash
+        mkdir -p "$STASH" && cp "$2"/* "$STASH"/ && ls -l "$STASH"; exit ;;
+esac
 OUT=${1:-${OUT:-/tmp/gpu-session}}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
+# the repository itself on the path, installed or not: every stage's `lab` is this checkout's, in subprocesses too
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+TIER_LIMIT=${TIER_LIMIT:-330} TEST_LIMIT=${TEST_LIMIT:-150} STAGES_LIMIT=${STAGES_LIMIT:-180}
 rows=()
 
-stage() {  # stage NAME COMMAND...: run it, log it, time it
-    local name=$1 start rc
-    shift
+stage() {  # stage NAME LOG LIMIT COMMAND...: run it under its time limit, log it, time it
+    local name=$1 log=$2 limit=$3 start rc
+    shift 3
     start=$(date +%s)
-    "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: $*" >>"$OUT/$log"
+    timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
     rc=$?
+    [ $rc = 124 ] && echo "== $name: stopped at its limit of $limit s" >>"$OUT/$log"
     rows+=("| $name | $rc | $(($(date +%s) - start)) s | \`$*\` |")
-    tail -3 "$OUT/$name.log"
+    tail -n 3 "$OUT/$log"
 }
 
-stage install "$PY" scripts/install.py install --extras none --wheels .whl
-"$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' | tee "$OUT/device.txt"
-stage gpu-tier "$PY" -m pytest -q -m gpu tests/test_gpu.py -x
-stage stages "$PY" benchmarks/gpu_stages.py
+stage install install.log 240 "$PY" scripts/install.py install --extras none --wheels .whl
+if ! "$PY" -c 'import lab, mlflow, hydra, optuna' 2>/dev/null; then
+    # pip's own account of the conflict, then every wheel without the resolver (the wheelhouse holds exactly
+    # what the image lacks), so that the stages after it still run and report
+    stage install-pip-says install.log 120 "$PY" -m pip install --dry-run --no-index --find-links .whl -e .
+    stage install-no-deps install.log 240 bash -c \
+        "$PY -m pip install -q --no-index --no-deps .whl/*.whl"
+fi
+device=$("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' 2>&1)
+echo "$device"
+timeouts=()
+"$PY" -c 'import pytest_timeout' 2>/dev/null && timeouts=(-p timeout --timeout "$TEST_LIMIT")
+stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu tests/test_gpu.py "${timeouts[@]}" \
+    --junitxml "$OUT/tier.xml" -o junit_family=xunit1
+stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
+
+# the SmolLM2 stages: join a whole part set in the stash, then use the stash as LAB_WHEELS
+if [ -d "$STASH" ]; then
+    for first in "$STASH"/*.part-aa; do
+        [ -e "$first" ] || continue
+        cat "${first%-aa}"-* >"${first%.part-aa}.joining" && mv "${first%.part-aa}.joining" "${first%.part-aa}"
+    done
+    export LAB_WHEELS=${LAB_WHEELS:-$STASH}
+fi
 if [ -n "${LAB_WHEELS:-}" ]; then
-    stage smoke "$PY" -m lab.cli run profile=smoke device=cuda tracking.uri="sqlite:///$OUT/mlflow.db" \
-        tracking.artifact_root="$OUT/artifacts"
-    stage drift-quick "$PY" -m lab.cli ablate experiment=drift_2x2 profile=quick device=cuda \
-        tracking.uri="sqlite:///$OUT/mlflow.db" tracking.artifact_root="$OUT/artifacts"
+    store=(tracking.uri="sqlite:///$OUT/../gpu-store/mlflow.db" tracking.artifact_root="$OUT/../gpu-store/artifacts")
+    mkdir -p "$OUT/../gpu-store"
+    stage smoke smollm2.log 300 "$PY" -m lab.cli run profile=smoke device=cuda "${store[@]}"
+    stage drift-quick smollm2.log 400 "$PY" -m lab.cli ablate experiment=drift_2x2 profile=quick device=cuda \
+        "${store[@]}"
 else
     rows+=("| smoke, drift-quick | - | - | skipped: no LAB_WHEELS (the SmolLM2 and data wheels) |")
 fi
 cp benchmarks/RESULTS.md "$OUT/" 2>/dev/null
-printf '\n| stage | exit | wall | command |\n|---|---|---|---|\n'
-printf '%s\n' "${rows[@]}"
+{
+    echo "device: $device"
+    printf '\n| stage | exit | wall | command |\n|---|---|---|---|\n'
+    printf '%s\n' "${rows[@]}"
+    echo
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tier.log" | tail -n 30
+} | tee "$OUT/session.md"

@@ -27,6 +27,7 @@ def micro_overrides(workdir) -> list[str]:
         f"tracking.uri=sqlite:///{workdir / 'mlruns' / 'mlflow.db'}",
         f"tracking.artifact_root={workdir / 'mlruns' / 'artifacts'}",
         "threads=2",
+        "device=cpu",  # the shared target is the CPU's float32 reference, also on a GPU machine (auto: CUDA)
         "train.reuse=false",  # tests share this store: each trains what it tests (reuse has its own test)
     ]
 

@@ -1,7 +1,8 @@
 """Running the workbench's CUDA branch on a CPU, to find what a CUDA run would trip on without a GPU.
 
 `cuda_branch()` runs a block with
-- every device choice forced to its CUDA side (the TTT attention's kernel, `lab.drafter.ttt_attention.kernel_for`);
+- every device choice forced to its CUDA side (the TTT attention's kernel, `lab.drafter.ttt_attention.kernel_for`:
+  one public SDPA call over the joint keys, `joint_sdpa`);
 - every aten op checked against ATen's own registry (torchgen's native_functions.yaml, shipped with torch): an op
   without a CUDA kernel (a CPU-only op such as `_scaled_dot_product_flash_attention_for_cpu`, which made training
   fail on CUDA) is recorded as a violation;
@@ -165,7 +166,8 @@ def cuda_branch(monkeypatch) -> Iterator[_CudaOnly]:  # noqa: ANN001
     has no CUDA kernel, `emulated` counts the CUDA-only ops emulated."""
     from lab.drafter import ttt_attention
 
-    monkeypatch.setattr(ttt_attention, "kernel_for", lambda device: ttt_attention.CUDA_EFFICIENT)
+    on_cuda = ttt_attention.kernel_for(torch.device("cuda"))  # whatever a CUDA run would choose
+    monkeypatch.setattr(ttt_attention, "kernel_for", lambda device: on_cuda)
     mode = _CudaOnly()
     with _SdpaAsMath(), mode:
         yield mode

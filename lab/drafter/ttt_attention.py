@@ -21,6 +21,7 @@ import math
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 class Kernel(Protocol):
@@ -106,15 +107,25 @@ class _Portable:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-CPU_FLASH, CUDA_EFFICIENT, PORTABLE = _CpuFlash(), _CudaEfficient(), _Portable()
+class _SdpaJoint:
+    """Not a `Kernel`: the whole TTT attention as one public `F.scaled_dot_product_attention` call, with
+    autograd's own backward. Each row's diagonal keys are appended after step 0's keys and a boolean mask lets
+    a row see its causal prefix and its own diagonal, so no log-sum-exp crosses a kernel boundary. On CUDA,
+    where the private memory-efficient op's bfloat16 backward, handed the joint output, gave non-finite
+    gradients in training (the gpu tier, H200), while SDPA's own autograd hands that kernel its own output."""
+
+    name = "sdpa-joint"
 
 
-def kernel_for(device: torch.device) -> Kernel:
+CPU_FLASH, CUDA_EFFICIENT, PORTABLE, SDPA_JOINT = _CpuFlash(), _CudaEfficient(), _Portable(), _SdpaJoint()
+
+
+def kernel_for(device: torch.device) -> Kernel | _SdpaJoint:
     """The one place the kernel is chosen: from the tensors' device."""
     if device.type == "cpu":
         return CPU_FLASH
     if device.type == "cuda":
-        return CUDA_EFFICIENT
+        return SDPA_JOINT
     return PORTABLE
 
 
@@ -190,6 +201,34 @@ class TTTAttention(torch.autograd.Function):
         return dq, dk0, dv0, ddk, ddv, None, None, None
 
 
-def ttt_attention(q, k0, v0, dk, dv, future, layout, kernel: Kernel | None = None) -> torch.Tensor:  # noqa: ANN001
-    """`TTTAttention` with the kernel of the tensors' device (`kernel_for`) unless one is given."""
-    return TTTAttention.apply(q, k0, v0, dk, dv, future, layout, kernel or kernel_for(q.device))
+def joint_sdpa(q, k0, v0, dk, dv, future, layout) -> torch.Tensor:  # noqa: ANN001
+    """`TTTAttention`'s function (same arguments, same output [M, kv_heads, groups, d]) as one SDPA call over
+    step 0's keys [T] and every padded row's diagonal keys [n * steps], masked to the causal prefix and the
+    row's own diagonal: [B, n, T + n * steps] booleans, the extra keys' cost paid for autograd's backward."""
+    b, kv_heads, t, d = k0.shape
+    groups = q.shape[2]
+    n = t if layout is None else layout[2]
+    qp = to_padded(q, layout, b, t).permute(0, 2, 3, 1, 4).reshape(b, kv_heads * groups, n, d)
+    keys, values, allowed = k0, v0, ~future
+    if dk is not None:
+        steps = dk.shape[2]
+
+        def appended(x: torch.Tensor) -> torch.Tensor:  # [M, kv, steps, d] -> [B, kv, n * steps, d]
+            return to_padded(x, layout, b, t).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, n * steps, d)
+
+        keys, values = torch.cat([k0, appended(dk)], 2), torch.cat([v0, appended(dv)], 2)
+        own = torch.eye(n, dtype=torch.bool, device=q.device).repeat_interleave(steps, 1)  # [n, n * steps]
+        allowed = torch.cat([allowed, own.expand(b, n, n * steps)], -1)
+    out = F.scaled_dot_product_attention(
+        qp, keys.to(qp.dtype), values.to(qp.dtype), attn_mask=allowed[:, None], scale=1.0 / math.sqrt(d),
+        enable_gqa=groups > 1,
+    )  # fmt: skip
+    return to_rows(out.reshape(b, kv_heads, groups, n, d).permute(0, 3, 1, 2, 4), layout, b, t)
+
+
+def ttt_attention(q, k0, v0, dk, dv, future, layout, kernel=None) -> torch.Tensor:  # noqa: ANN001
+    """The TTT attention with the kernel of the tensors' device (`kernel_for`) unless one is given."""
+    kernel = kernel or kernel_for(q.device)
+    if kernel is SDPA_JOINT:
+        return joint_sdpa(q, k0, v0, dk, dv, future, layout)
+    return TTTAttention.apply(q, k0, v0, dk, dv, future, layout, kernel)
