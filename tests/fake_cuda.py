@@ -35,10 +35,11 @@ tests/fake_cuda_checks.py under pytest; tests/test_fake_cuda.py starts it). Bein
 irreversible, the shim never enters the main test session. `fake_cuda()` also patches what a CPU build answers
 about CUDA (`is_available`, bfloat16 support, free memory, `synchronize`) for the block's duration.
 
-Limits: module moves (`Module.to("cuda")`) give the module new Parameter objects (a labelled tensor cannot be
-set into a CPU parameter in place): code that keeps a parameter from before a move would see its CPU one, a
-device mix a GPU would not have (the workbench builds its optimizers after the moves). Streams, events and
-`non_blocking` copies are not modelled: a non-blocking copy is not counted as a sync.
+Limits: streams, events and `non_blocking` copies are not modelled (a non-blocking copy is not counted as a
+sync, a copy in flight is never read early); `.numpy()` of a cuda tensor fails, as it does on a GPU. Which ops
+sync is this module's list (`SHAPE_SYNC`, the moves, `.item()`/`.tolist()`), not CUDA's own word: an op that
+syncs inside a CUDA kernel's C++ and is missing here goes uncounted. Syncs inside libraries count too
+(transformers' mask checks), named with the lab/ line that called them.
 """
 
 from __future__ import annotations
@@ -171,8 +172,7 @@ class CudaTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
-    # a traceable wrapper subclass: `Module.to` swaps it into the module's own Parameter objects
-    # (`torch.utils.swap_tensors`), so that a parameter keeps its identity across a move, as on a GPU
+    # a traceable wrapper subclass (what `torch.utils.swap_tensors`, which `Module.to` uses here, expects)
     def __tensor_flatten__(self) -> tuple[list[str], None]:  # noqa: D105
         return ["inner"], None
 
@@ -183,6 +183,10 @@ class CudaTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206, D105
         raise RuntimeError(f"{func} on a CudaTensor outside fake_cuda(): the harness has ended")
+
+
+class DeviceMixError(RuntimeError):
+    """An op that mixed cuda and CPU tensors and then failed (on a GPU it would have failed at the mix)."""
 
 
 @dataclass
@@ -276,9 +280,11 @@ class _FakeCuda(TorchDispatchMode):
         self.report = report
         self.lock = threading.Lock()  # the autograd engine runs cuda backward ops on its own thread
 
-    def record(self, kind: str, op: str) -> None:
+    def record(self, kind: str, op: str) -> Event:
+        event = Event(kind, op, _where())
         with self.lock:
-            self.report.events.append(Event(kind, op, _where()))
+            self.report.events.append(event)
+        return event
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -299,14 +305,19 @@ class _FakeCuda(TorchDispatchMode):
             to = args[0].device
         else:
             to = CUDA
-        self.check(func, name, base, args, kwargs, flat, to)
+        mixed = self.check(func, name, base, args, kwargs, flat, to)
         inner_args, inner_kwargs = tree_map(_unwrap, (args, kwargs))
         inner_args, inner_kwargs = tree_map(_cpu_device, (inner_args, inner_kwargs))
-        if base in EMULATED:
-            self.report.emulated[base] += 1
-            out = EMULATED[base](*inner_args, **inner_kwargs)
-        else:
-            out = func(*inner_args, **inner_kwargs)
+        try:
+            if base in EMULATED:
+                self.report.emulated[base] += 1
+                out = EMULATED[base](*inner_args, **inner_kwargs)
+            else:
+                out = func(*inner_args, **inner_kwargs)
+        except Exception as exc:
+            if mixed:  # what a GPU would have raised, rather than what the CPU tensors beneath did
+                raise DeviceMixError(f"{name} mixes cuda and CPU tensors at {mixed.where} ({exc})") from exc
+            raise
         # outputs that are an input (in-place and out= ops) come back as that input itself
         inputs = {id(_unwrap(x)): x for x in flat if isinstance(x, torch.Tensor)}
         move = base in MOVES
@@ -327,8 +338,9 @@ class _FakeCuda(TorchDispatchMode):
 
         return tree_map(wrap, out)
 
-    def check(self, func, name: str, base: str, args, kwargs, flat, to: torch.device) -> None:  # noqa: ANN001
-        """Record the missing CUDA kernel, device mix or host sync of one op with a cuda input or output."""
+    def check(self, func, name: str, base: str, args, kwargs, flat, to: torch.device) -> Event | None:  # noqa: ANN001
+        """Record the missing CUDA kernel, device mix or host sync of one op with a cuda input or output; returns
+        the device mix, if any."""
         if func._schema.name.startswith("aten::") and base not in EMULATED:
             has = cuda_kernels().get(name)
             if not has:
@@ -338,12 +350,12 @@ class _FakeCuda(TorchDispatchMode):
             src = args[1] if base == "copy_" else args[0]
             blocking = not (kwargs.get("non_blocking") or (base == "copy_" and len(args) > 2 and args[2]))
             if src.numel() == 0:
-                return  # nothing to copy: CUDA's copy returns before its memcpy
+                return None  # nothing to copy: CUDA's copy returns before its memcpy
             if _is_cuda(src) and to.type == "cpu":
                 self.record("read", name)
             elif _is_cpu_tensor(src) and to.type == "cuda" and blocking:
                 self.record("upload", name)
-            return
+            return None
         tensors = flat
         if name in INDEX_OPS:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", [])
@@ -355,12 +367,14 @@ class _FakeCuda(TorchDispatchMode):
             ids = {id(i) for i in index_flat}
             tensors = [x for x in flat if id(x) not in ids]
         # CUDA kernels take CPU 0-dim tensors as scalars; any other CPU tensor beside a cuda one is an error
+        mixed = None
         if any(_is_cuda(x) for x in tensors) and any(_is_cpu_tensor(x) and x.dim() > 0 for x in tensors):
-            self.record("mix", name)
+            mixed = self.record("mix", name)
         if base == "_local_scalar_dense":
             self.record("read", name)
         elif name in SHAPE_SYNC or base in SHAPE_SYNC:
             self.record("shape", name)
+        return mixed
 
 
 @contextlib.contextmanager
@@ -385,6 +399,9 @@ def fake_cuda(monkeypatch) -> Iterator[Report]:  # noqa: ANN001
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake CUDA (labelled CPU tensors)")
     monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
+    # `Module.to` swaps each moved tensor into the module's own Parameter object (as `.data =` keeps it on a
+    # GPU): a labelled tensor cannot be set into a plain one's `.data`, nor a plain one into a labelled one's
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
     lift = torch._C._only_lift_cpu_tensors()
     # torch.tensor(data, device="cuda") makes its tensor on the CPU and moves it through the mode (as
     # FakeTensorMode has it), rather than asking the absent CUDA allocator
