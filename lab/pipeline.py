@@ -342,8 +342,7 @@ def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: Ru
     """Train the configured drafter on the cached hidden states (resuming a checkpoint if one is left);
     returns it and its final training tokens/s."""
     counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
-    # initialised on the CPU, then moved: the same initial weights on every device
-    drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts).to(target.device)
+    drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
     checkpoint, state = None, None
     if resume_dir is not None:
         checkpoint = resume.Checkpointing(resume_dir, cfg.train.checkpoint_every, mlrun.id)

@@ -300,6 +300,12 @@ def test_the_harness_flags_what_cuda_refuses():
         assert [e.kind for e in report.syncs[1:]] == ["read", "shape", "read"]  # item, nonzero, cpu()
         z = torch.zeros(3, 1, device="cuda").squeeze_(1)  # an in-place view: the label follows
         assert z.shape == (3,) and isinstance(z, CudaTensor)
+        layer = torch.nn.Linear(2, 2)
+        weight = layer.weight
+        layer.to("cuda")  # a module's move keeps its Parameter objects, as on a GPU
+        assert layer.weight is weight and isinstance(weight, CudaTensor)
+        layer.cpu()
+        assert layer.weight is weight and type(weight.data) is torch.Tensor and weight.device.type == "cpu"
 
 
 def test_a_planted_cpu_tensor_is_a_device_mix(cfg, loaded, hidden):
@@ -334,3 +340,19 @@ def test_a_planted_item_is_one_more_sync_per_step(cfg, loaded, hidden):
     assert per_step["read"] == SYNCS_PER_TRAIN_STEP["read"] + 1, per_step
     with pytest.raises(AssertionError, match="host syncs of kind read per training step"):
         _within(per_step, SYNCS_PER_TRAIN_STEP)
+
+
+def test_init_drafter_gives_a_drafter_on_the_targets_device(cfg, loaded, hidden):
+    """A fresh drafter trained as the tests' fixtures and the benchmarks train one: `init_drafter`, then
+    `train`, with no move between (the pipeline's own move is checked by `test_training_step`)."""
+    from omegaconf import OmegaConf
+
+    from lab.drafter import init_drafter
+    from lab.train.ttt import train
+
+    with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
+        drafter = init_drafter(loaded.target, cfg.drafter, loaded.layers, seed=0)
+        tcfg = OmegaConf.merge(cfg.train, {"steps": 1})
+        train(drafter, hidden, loaded.target.lm_head_weight, tcfg, seed=0, progress=False)
+    _on_cuda(drafter, torch.float32)
+    _clean(report)

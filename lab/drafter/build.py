@@ -67,8 +67,9 @@ def init_drafter(
     seed: int,
     token_counts: torch.Tensor | None = None,
 ) -> Eagle3Drafter:
-    """A fresh drafter shaped after the target (`drafter_spec`); embedding copied and frozen; with a
-    smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V]."""
+    """A fresh drafter shaped after the target (`drafter_spec`), on the target's device; embedding copied and
+    frozen; with a smaller `draft_vocab_size`, lm_head covers the most frequent tokens of `token_counts` [V].
+    Initialised on the CPU, then moved: the same initial weights on every device."""
     spec = drafter_spec(target.model.config, dcfg, aux_layers)
     draft_vocab = spec.draft_vocab_size if spec.draft_vocab_size != spec.vocab_size else None
     if draft_vocab and token_counts is None:
@@ -79,10 +80,11 @@ def init_drafter(
         drafter.embed_tokens.weight.copy_(target.embed_weight)
         if draft_vocab:
             ids = draft_vocabulary(token_counts, draft_vocab)
-            drafter.d2t.copy_(ids - torch.arange(draft_vocab))
+            drafter.d2t.copy_(ids.cpu() - torch.arange(draft_vocab))
         if dcfg.init_lm_head_from_target:
-            drafter.lm_head.weight.copy_(target.lm_head_weight[drafter.draft_token_ids()])
-    return drafter
+            head = target.lm_head_weight
+            drafter.lm_head.weight.copy_(head[drafter.draft_token_ids().to(head.device)])
+    return drafter.to(target.lm_head_weight.device)
 
 
 def _rope_theta(model_config) -> float:
