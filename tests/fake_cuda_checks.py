@@ -356,3 +356,22 @@ def test_init_drafter_gives_a_drafter_on_the_targets_device(cfg, loaded, hidden)
         train(drafter, hidden, loaded.target.lm_head_weight, tcfg, seed=0, progress=False)
     _on_cuda(drafter, torch.float32)
     _clean(report)
+
+
+def test_sampled_decoding_and_the_heldout_rollout(loaded, drafter, hidden):
+    """The other paths a GPU run takes: the baseline and speculative decoding at temperature 0.9 (sampling on
+    the CPU's seeded generator) and the held-out rollout: no device mix, no op without a CUDA kernel."""
+    from lab.data.text import Sequences
+    from lab.eval.reference import speculative_decode, target_decode
+    from lab.eval.run import heldout_evaluation
+
+    prompt, model = list(range(5, 15)), loaded.target.model
+    with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
+        gen = torch.Generator().manual_seed(3)
+        target_decode(model, prompt, 8, 0.9, gen)
+        tokens, _ = speculative_decode(model, drafter, prompt, 8, K, temperature=0.9, generator=gen)
+        rollout = heldout_evaluation(loaded.target, drafter, Sequences(hidden.input_ids, hidden.loss_mask), K)
+    _clean(report)
+    assert len(tokens) == 8 and rollout.metrics
+    print(f"\nsampled decoding and the held-out rollout: {len(report.syncs)} host syncs")
+    print(report.sync_table())
