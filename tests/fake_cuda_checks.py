@@ -375,3 +375,25 @@ def test_sampled_decoding_and_the_heldout_rollout(loaded, drafter, hidden):
     assert len(tokens) == 8 and rollout.metrics
     print(f"\nsampled decoding and the held-out rollout: {len(report.syncs)} host syncs")
     print(report.sync_table())
+
+
+@pytest.mark.slow
+def test_a_whole_run(cfg, tmp_path):
+    """`lab run` itself (`lab.pipeline.run`) on the fake device, at toy size: every stage the GPU runs, from
+    the data and the hidden-state cache to the suites' evaluation and MLflow (about 25 s)."""
+    from omegaconf import OmegaConf
+
+    from lab import pipeline
+
+    small = {
+        "data": {"num_sequences": 16, "heldout_sequences": 4},
+        "train": {"steps": 2, "checkpoint_every": 0},
+        "eval": {"num_prompts": 2, "max_new_tokens": 8},
+        "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_root": str(tmp_path / "artifacts")},
+    }
+    with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
+        result = pipeline.run(OmegaConf.merge(cfg, small), progress=False)
+    _clean(report)
+    assert result.metrics
+    print(f"\na whole run: {len(report.syncs)} host syncs")
+    print(report.sync_table())

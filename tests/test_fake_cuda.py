@@ -21,7 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gpu_paths_on_a_fake_cuda_device():
+def _checks(*options: str) -> None:
+    """Run tests/fake_cuda_checks.py with `options` in a fresh process; print its report; fail with it."""
     import torch
 
     if torch.version.cuda is not None or torch.version.hip is not None:
@@ -33,7 +34,7 @@ def test_gpu_paths_on_a_fake_cuda_device():
     # this checkout's lab first, as in this session (an editable install may point at another one)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "fake_cuda.py"), "-q", "-s", "-p", "no:randomly"],
+        [sys.executable, str(ROOT / "tests" / "fake_cuda.py"), "-q", "-s", "-p", "no:randomly", *options],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -42,3 +43,14 @@ def test_gpu_paths_on_a_fake_cuda_device():
     )
     print(done.stdout[-20000:])
     assert done.returncode == 0, f"tests/fake_cuda_checks.py failed:\n{done.stdout[-12000:]}\n{done.stderr[-4000:]}"
+
+
+def test_gpu_paths_on_a_fake_cuda_device():
+    """Each stage on the fake device (about 30 s), with the host syncs per training step and per decoded token."""
+    _checks("-m", "not slow")
+
+
+@pytest.mark.slow
+def test_a_whole_run_on_a_fake_cuda_device():
+    """`lab run` end to end on the fake device (about 40 s)."""
+    _checks("-m", "slow")
