@@ -37,9 +37,9 @@ about CUDA (`is_available`, bfloat16 support, free memory, `synchronize`) for th
 
 Limits: streams, events and `non_blocking` copies are not modelled (a non-blocking copy is not counted as a
 sync, a copy in flight is never read early); `.numpy()` of a cuda tensor fails, as it does on a GPU. Which ops
-sync is this module's list (`SHAPE_SYNC`, the moves, `.item()`/`.tolist()`), not CUDA's own word: an op that
-syncs inside a CUDA kernel's C++ and is missing here goes uncounted. Syncs inside libraries count too
-(transformers' mask checks), named with the lab/ line that called them.
+sync is this module's list (`SHAPE_SYNC`, `READ_SYNC`, the moves, `.item()`/`.tolist()`), not CUDA's own
+word: an op that syncs inside a CUDA kernel's C++ and is missing here goes uncounted. Syncs inside libraries
+count too (transformers' mask checks), named with the lab/ line that called them.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class Event:
 
 @dataclass
 class Report:
-    """What a `fake_cuda` block found; `syncs` is reset by `reset_syncs` (to count one part of a run)."""
+    """What a `fake_cuda` block found, in the order it happened (slice `syncs` to count one part of a run)."""
 
     events: list[Event] = field(default_factory=list)
     emulated: Counter = field(default_factory=Counter)
@@ -216,21 +216,19 @@ class Report:
     def syncs(self) -> list[Event]:
         return [e for e in self.events if e.kind not in ("mix", "violation")]
 
-    def reset_syncs(self) -> None:
-        self.events = [e for e in self.events if e.kind in ("mix", "violation")]
-
     def sync_table(self) -> str:
         """One line per (kind, op, place) with its count, most frequent first."""
         counts = Counter((e.kind, e.op, e.where) for e in self.syncs)
         return "\n".join(f"{n:5d}  {kind:11s} {op:40s} {where}" for (kind, op, where), n in counts.most_common())
 
 
-# ops whose output size (or a host-side result) depends on the values: CUDA computes, then copies it back
+# ops whose output size depends on the values: CUDA computes the size, then copies it to the host to allocate
 SHAPE_SYNC = {
     "nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
-    "bincount", "equal", "is_nonzero", "histc", "repeat_interleave.Tensor", "nonzero_numpy", "_assert_async",
-    "masked_scatter",
+    "bincount", "histc", "repeat_interleave.Tensor", "repeat_interleave.self_Tensor",
 }  # fmt: skip
+# ops that return a value to the host (besides `_local_scalar_dense`, which `.item()`, `int()`, `float()` call)
+READ_SYNC = {"is_nonzero", "equal"}
 # ops whose index tensors may be on the CPU beside a cuda tensor (CUDA copies them over, blocking)
 INDEX_OPS = {"index.Tensor", "index_put_", "index_put", "_index_put_impl_", "_unsafe_index.Tensor", "_index_put_impl"}
 # ops that move a tensor between devices (CUDA allows the mix)
@@ -370,10 +368,10 @@ class _FakeCuda(TorchDispatchMode):
         mixed = None
         if any(_is_cuda(x) for x in tensors) and any(_is_cpu_tensor(x) and x.dim() > 0 for x in tensors):
             mixed = self.record("mix", name)
-        if base == "_local_scalar_dense":
+        if base == "_local_scalar_dense" or base in READ_SYNC:
             self.record("read", name)
-        elif name in SHAPE_SYNC or base in SHAPE_SYNC:
-            self.record("shape", name)
+        elif (name in SHAPE_SYNC or base in SHAPE_SYNC) and kwargs.get("output_size") is None:
+            self.record("shape", name)  # (repeat_interleave told its output size does not sync)
         return mixed
 
 

@@ -28,10 +28,11 @@ SYNCS_PER_TRAIN_STEP = {"read": 14, "shape": 9, "upload": 4, "synchronize": 0}
 # synchronize, one read of the drafts and the target's predictions; once per prompt: its first token
 SYNCS_PER_ROUND = {"read": 1, "shape": 0, "upload": 2, "synchronize": 1}
 SYNCS_PER_DECODE = {"read": 1, "shape": 0, "upload": 0, "synchronize": 0}
-# one step of regeneration's greedy batch: the tokens read and uploaded, transformers' mask check; once per
-# batch: the prompts uploaded, the mask check of the prefill, the kept rows' index when rows finish (twice here)
-SYNCS_PER_GREEDY_STEP = {"read": 1, "shape": 1, "upload": 1, "synchronize": 0}
-SYNCS_PER_GREEDY_BATCH = {"read": 0, "shape": 1, "upload": 4, "synchronize": 0}
+# one step of regeneration's greedy batch: the tokens read and uploaded, transformers' mask check (`bool` of a
+# tensor); once per batch: the prompts uploaded, the prefill's second mask check, the kept rows' index when rows
+# finish (twice here)
+SYNCS_PER_GREEDY_STEP = {"read": 2, "shape": 0, "upload": 1, "synchronize": 0}
+SYNCS_PER_GREEDY_BATCH = {"read": 1, "shape": 0, "upload": 4, "synchronize": 0}
 
 TTT_LENGTH = 3
 K = 3
