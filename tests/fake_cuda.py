@@ -194,7 +194,7 @@ class Event:
     kind: str  # "mix", "violation", or a sync's kind: "read" (a value to the host), "shape" (data-dependent
     # output size), "upload" (a blocking copy to cuda), "synchronize"
     op: str
-    where: str  # the innermost frame in lab/ (else the innermost outside torch), "file:line function"
+    where: str  # "file:line function" of the innermost frame in lab/ (`_where`)
 
 
 @dataclass
@@ -248,8 +248,10 @@ def _where() -> str:
     text = f"{os.path.relpath(ours.filename, ROOT)}:{ours.lineno} {ours.name}"
     inner = frames[-1]
     if inner is not ours:
-        package = inner.filename.split("site-packages/")[-1]
-        text += f" (in {package}:{inner.lineno} {inner.name})"
+        place = inner.filename.split("site-packages/")[-1]
+        if Path(place).is_relative_to(ROOT):
+            place = os.path.relpath(place, ROOT)
+        text += f" (in {place}:{inner.lineno} {inner.name})"
     return text
 
 
