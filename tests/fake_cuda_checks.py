@@ -284,6 +284,21 @@ def test_greedy_batch(loaded):
         assert counts[kind] <= most, f"{counts[kind]} host syncs of kind {kind} in {steps} steps: at most {most}"
 
 
+def test_regeneration_generator(loaded):
+    """Regeneration's generator (`open_generator`, backend hf) on the fake device: its batch size read from the
+    GPU's free memory, the same answers as one `greedy_batch`."""
+    from lab.target.generate import greedy_batch, open_generator
+
+    prompts = [list(range(5, 17)), list(range(20, 27))]
+    with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
+        with open_generator(loaded.target, backend="hf", progress=False) as greedy:
+            answers = greedy(prompts, 5)
+            assert greedy.rows(64) > 16  # a GPU's batch: as many rows as half the free memory holds
+        again = greedy_batch(loaded.target.model, prompts, [5, 5], loaded.target.tokenizer.eos_token_id)
+    _clean(report)
+    assert answers == again
+
+
 # ---------------------------------------------------------------- the checks can fail
 
 
