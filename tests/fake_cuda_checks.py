@@ -192,7 +192,9 @@ def test_training_step(cfg, loaded, hidden):
     per_step = _per_step(report, run)
     print(f"\nhost syncs per training step: {per_step} (total {sum(per_step.values())})")
     print(report.sync_table())
-    assert report.emulated["_scaled_dot_product_efficient_attention"] > 0  # the CUDA kernel's path ran
+    # the CUDA kernel's path ran, forward and backward
+    assert report.emulated["_scaled_dot_product_efficient_attention"] > 0
+    assert report.emulated["_scaled_dot_product_efficient_attention_backward"] > 0
     _within(per_step, SYNCS_PER_TRAIN_STEP)
 
 
@@ -314,6 +316,8 @@ def test_the_harness_flags_what_cuda_refuses():
         assert [e.op for e in report.mixes] == ["add.Tensor"]
         assert y.sum().item() == 16.0 and y.nonzero().shape == (4, 1) and y.cpu().tolist() == [4.0] * 4
         assert [e.kind for e in report.syncs[1:]] == ["read", "shape", "read"]  # item, nonzero, cpu()
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # CUDA's autocast is on for labelled tensors
+            assert (x[None] @ torch.ones(4, 2, device="cuda")).dtype == torch.bfloat16
         z = torch.zeros(3, 1, device="cuda").squeeze_(1)  # an in-place view: the label follows
         assert z.shape == (3,) and isinstance(z, CudaTensor)
         layer = torch.nn.Linear(2, 2)
