@@ -297,6 +297,9 @@ class Config:
     device: Device = Device.auto
     # the target's precision; the drafter keeps float32 weights and computes in it under autocast
     dtype: DType = DType.auto
+    # the GPUs `lab sweep` / `lab ablate` place their workers on (indexes among those this process sees):
+    # worker i on gpus[i mod len]; None: every GPU torch sees. Like device, not part of what a run is.
+    gpus: list[int] | None = None
 
 
 # eval.suites=null: the suites of the paper's study for each kind of data (the benchmarks need conversations)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
@@ -37,6 +38,7 @@ from lab import metrics as keys
 from lab import track
 from lab.composition import compose
 from lab.config import ConfigError, redact
+from lab.device import resolve_device
 from lab.pipeline import warm_caches
 from lab.preflight import check_checkpoint
 from lab.sweep.heartbeat import recover_stale, worker_name
@@ -45,7 +47,7 @@ from lab.sweep.spec import Sweep
 from lab.sweep.storage import Session, dashboard_command, open_session
 from lab.sweep.summary import finish, spec_params, study_span
 from lab.sweep.trial import RUN_FAILURES, run_trial
-from lab.sweep.workers import helpers
+from lab.sweep.workers import gpu_placement, helpers, place_this_process
 
 
 @dataclass
@@ -126,6 +128,22 @@ def _warm(cfg: DictConfig, progress: bool, log: Callable[[str], None]) -> None:
     log(f"caches warm in {sum(seconds.values()):.0f} s")
 
 
+def _placement(cfg: DictConfig, workers: int, log: Callable[[str], None]) -> list[str | None]:
+    """Each worker's GPU (`gpu_placement`) where the study computes on CUDA; this process (worker 0) takes
+    its own with `set_device`."""
+    if resolve_device(cfg)[0].type != "cuda":
+        if cfg.gpus:
+            raise ConfigError("gpus", f"expected device=cuda (or auto on a GPU machine), got device={cfg.device}")
+        return [None] * workers
+    count = torch.cuda.device_count()
+    gpus = list(cfg.gpus) if cfg.gpus else None
+    placed = gpu_placement(workers, gpus, count, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if placed[0] is not None:
+        place_this_process(gpus, count)
+        log("  GPUs: " + ", ".join(f"w{i} on GPU {gpu}" for i, gpu in enumerate(placed)))
+    return placed
+
+
 def launch(
     sweep: Sweep,
     extra: list[str],
@@ -181,9 +199,10 @@ def launch(
             note = f"queued; the study's parent run stays RUNNING until a worker finishes its last trial: {join_cmd}"
             return SweepResult(name, redact(s.storage_url), parent.id, budget, c, 0, 0.0, note)
         count = min(workers, c["waiting"]) - 1  # no more workers than queued trials
+        gpus = _placement(cfg, count + 1, log)
         if count > 0:
             _warm(cfg, progress, log)
-        with helpers(worker_args, extra, threads, count, log):
+        with helpers(worker_args, extra, threads, count, log, gpus):
             prefix = "[w0] " if workers > 1 else ""
             work(s, threads, progress and workers == 1, lambda m: log(prefix + m))
         c = counts(s)

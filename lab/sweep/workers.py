@@ -13,6 +13,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
+import torch
+
+from lab.config import ConfigError
+
 
 class WholeLines(io.TextIOBase):
     """The launcher's stdout while helpers run: each thread's text goes out in whole lines, one write each.
@@ -61,13 +65,43 @@ class _Reader(threading.Thread):
             self.log(self.prefix + line.rstrip())
 
 
+def gpu_placement(count: int, gpus: list[int] | None, device_count: int, visible: str | None) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of workers 0..count-1 (None: left as it is): worker i on GPU i mod
+    `device_count`, or on gpus[i mod len(gpus)] where `gpus=` names them. Indexes count the GPUs this process
+    sees, so within a CUDA_VISIBLE_DEVICES already set (`visible`) they name its entries. One GPU or none
+    (and no `gpus=`): nothing to place."""
+    if not gpus:
+        if device_count <= 1:
+            return [None] * count
+        gpus = list(range(device_count))
+    wrong = [g for g in gpus if not 0 <= g < device_count]
+    if wrong:
+        sees = f"{device_count} GPU(s), indexes 0 to {device_count - 1}" if device_count else "no GPU"
+        raise ConfigError("gpus", f"expected indexes of the GPUs torch sees ({sees}), got {wrong}")
+    names = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(device_count)]
+    return [names[gpus[i % len(gpus)]] for i in range(count)]
+
+
+def place_this_process(gpus: list[int] | None, device_count: int) -> None:
+    """Worker 0 is this process, whose CUDA is set up already: its GPU is chosen with `set_device`."""
+    if device_count > 1 or gpus:
+        torch.cuda.set_device((gpus or [0])[0])
+
+
 def _spawn(
-    worker_args: list[str], extra: list[str], threads: int | None, index: int, log: Callable[[str], None]
+    worker_args: list[str],
+    extra: list[str],
+    threads: int | None,
+    index: int,
+    log: Callable[[str], None],
+    gpu: str | None = None,
 ) -> tuple[subprocess.Popen, _Reader]:
     cmd = [sys.executable, "-m", "lab.cli", *worker_args, "--no-progress", *extra]
     if threads:
         cmd.append(f"threads={threads}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LAB_WORKER_INDEX": str(index)}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     reader = _Reader(proc, f"[w{index}] ", log)
     reader.start()
@@ -76,13 +110,19 @@ def _spawn(
 
 @contextlib.contextmanager
 def helpers(
-    worker_args: list[str], extra: list[str], threads: int | None, count: int, log: Callable[[str], None]
+    worker_args: list[str],
+    extra: list[str],
+    threads: int | None,
+    count: int,
+    log: Callable[[str], None],
+    gpus: list[str | None] | None = None,
 ) -> Iterator[None]:
-    """`count` worker subprocesses (numbered 1..count) for the duration of the block. An exception in the
-    block (Ctrl-C) interrupts them: each re-enqueues its trial and exits. At the end each is waited for
-    (a minute at most, then killed)."""
+    """`count` worker subprocesses (numbered 1..count; worker i on GPU `gpus[i]`, `gpu_placement`'s) for the
+    duration of the block. An exception in the block (Ctrl-C) interrupts them: each re-enqueues its trial and
+    exits. At the end each is waited for (a minute at most, then killed)."""
     lines = WholeLines(sys.stdout)
-    procs = [_spawn(worker_args, extra, threads, i, log) for i in range(1, count + 1)]
+    gpus = gpus or [None] * (count + 1)
+    procs = [_spawn(worker_args, extra, threads, i, log, gpus[i]) for i in range(1, count + 1)]
     try:
         with contextlib.redirect_stdout(lines) if count else contextlib.nullcontext():
             yield
