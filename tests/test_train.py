@@ -288,3 +288,33 @@ def test_rms_norm_function_equals_the_module():
     torch.testing.assert_close(got, want)
     for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_lm_head_gemms_run_in_the_autocast_dtype():
+    """Under autocast every matmul of the chunked cross-entropy (lm_head, and its gradients formed in the
+    forward) runs in the narrow dtype: `mm(out=)` and `addmm_` bypass autocast, and on CUDA would run lm_head's
+    gradients as float32 GEMMs without tensor cores."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lab.train.loss import _SoftLabelCrossEntropy
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[tuple[str, torch.dtype]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+                self.seen.add((func.overloadpacket.__name__, args[1].dtype))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    n, hidden, vocab = 300, 16, 50
+    x = torch.randn(n, hidden, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    labels = torch.softmax(torch.randn(n, vocab, generator=g), -1)
+    slots, row_weight = torch.arange(n), torch.full((n,), 1.0 / n)
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulDtypes() as mode:
+        _SoftLabelCrossEntropy.apply(x, weight, labels, slots, row_weight, 128)[0].backward()
+    assert mode.seen and {dtype for _, dtype in mode.seen} == {torch.bfloat16}, mode.seen
+    assert x.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32

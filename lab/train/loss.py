@@ -22,13 +22,14 @@ from lab.drafter.unroll import rms_norm, unroll
 from lab.target import target_logits
 from lab.train.step import StepStats
 
-# rows of one chunk over the vocabulary: small enough that a chunk's [rows, V] logits stay in cache while
-# they are reduced (2 MiB), large enough that lm_head's matmul stays efficient (128 rows at least)
-CHUNK_ELEMENTS = 1 << 19
+# rows of one chunk over the vocabulary. On a CPU: small enough that a chunk's [rows, V] logits stay in cache
+# while they are reduced (2 MiB), large enough that lm_head's matmul stays efficient (128 rows at least). On a
+# GPU the launches are what costs: chunks of 64M logits (256 MiB in float32), a few per step.
+CHUNK_ELEMENTS = {"cpu": 1 << 19, "cuda": 1 << 26}
 
 
-def _chunk_rows(vocab: int) -> int:
-    return max(128, CHUNK_ELEMENTS // vocab)
+def _chunk_rows(vocab: int, device: torch.device) -> int:
+    return max(128, CHUNK_ELEMENTS.get(device.type, CHUNK_ELEMENTS["cpu"]) // vocab)
 
 
 @torch.no_grad()
@@ -42,7 +43,7 @@ def soft_labels(
     rows, vocab = final.shape[0], weight.shape[0]
     top = torch.empty(rows, dtype=torch.long, device=final.device)
     labels = weight.new_empty(rows, vocab if draft_ids is None else len(draft_ids))
-    step = _chunk_rows(vocab)
+    step = _chunk_rows(vocab, final.device)
     for a in range(0, rows, step):
         z = target_logits(final[a : a + step].float(), weight)  # [c, V]
         m, top[a : a + step] = z.max(-1)
@@ -87,10 +88,10 @@ class _SoftLabelCrossEntropy(torch.autograd.Function):
                 # d ce / d logits = softmax - p; the row weights scale the (narrow) x and gx, not [c, V]
                 g.sub_(p)
                 w = row_weight[a:z, None]
-                if g.dtype == xs.dtype == weight.dtype:
+                if raw.dtype == g.dtype == xs.dtype == weight.dtype:  # float32 throughout: in place
                     torch.mm(g, weight, out=gx[a:z]).mul_(w)
                     gw.addmm_(g.T, xs * w)  # accumulated in place
-                else:  # autocast: the backward of lm_head in the forward's precision
+                else:  # autocast: the backward of lm_head in the forward's precision (mm(out=) would bypass it)
                     g = g.to(raw.dtype)
                     gx[a:z] = (g @ weight.to(raw.dtype)).to(gx.dtype) * w
                     gw += (g.T @ (xs * w).to(raw.dtype)).to(gw.dtype)
@@ -101,7 +102,8 @@ class _SoftLabelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _ce, _top):  # noqa: ANN001, D102
         gx, gw = ctx.saved_tensors
-        if grad.item() != 1.0:  # the loss is usually backpropagated as it is
+        # the loss is usually backpropagated as it is; off the CPU, scaling is cheaper than a host sync to ask
+        if grad.device.type != "cpu" or grad.item() != 1.0:
             gx, gw = (None if gx is None else gx * grad), (None if gw is None else gw * grad)
         return (
             gx,
@@ -156,18 +158,18 @@ def ttt_loss(
         slot[counted] = torch.arange(len(counted), device=input_ids.device)
         slot = slot.view(b, t)
         learn_slot = torch.where(slot >= 0, learnable[slot.clamp_min(0)], False)
-        step_slots, step_rows, needed = [], [], []
+        step_slots, learns = [], []
         for i in range(length):
             # step i at position t <= T-2-i learns from target position t+i+1
-            at = F.pad(slot[:, i + 1 :], (0, i + 1), value=-1).reshape(-1)
-            learns = F.pad(learn_slot[:, i + 1 :], (0, i + 1), value=False).reshape(-1)
-            step_slots.append(at)
-            step_rows.append(learns.nonzero().squeeze(-1))
-            needed.append(learns)
+            step_slots.append(F.pad(slot[:, i + 1 :], (0, i + 1), value=-1).reshape(-1))
+            learns.append(F.pad(learn_slot[:, i + 1 :], (0, i + 1), value=False).reshape(-1))
         # a step computes where it or a later step learns (the later steps read its output there)
+        needed = list(learns)
         for i in range(length - 2, -1, -1):
             needed[i] = needed[i] | needed[i + 1]
-        keep = [m.nonzero().squeeze(-1) for m in needed]
+        # every step's rows in one nonzero and one transfer of their counts (two host syncs, not 2 x length)
+        found = _rows_of(torch.stack(learns + needed))
+        step_rows, keep = found[:length], found[length:]
     shifted = F.pad(input_ids[:, 1:], (0, 1))  # position t carries x_{t+1}
     outs = unroll(drafter, shifted, aux.float(), length, keep=keep)
     xs, slots, weights = [], [], []
@@ -180,15 +182,23 @@ def ttt_loss(
     weight = drafter.lm_head.weight
     slots_all = torch.cat(slots)
     loss, ce, top = _SoftLabelCrossEntropy.apply(
-        x, weight, labels, slots_all, torch.cat(weights), _chunk_rows(weight.shape[0])
+        x, weight, labels, slots_all, torch.cat(weights), _chunk_rows(weight.shape[0], x.device)
     )
-    plosses, accs = [], []
-    a = 0
+    # each step's mean loss and accuracy, read in one transfer
+    hits = drafter.to_target_ids(top) == target_top.index_select(0, slots_all)
+    sums, a = [], 0
     for i, rows in enumerate(step_rows):
         n = len(rows)
-        plosses.append(ce[a : a + n].sum().item() / max(n, 1))
-        drafted = drafter.to_target_ids(top[a : a + n])
-        hits = (drafted == target_top.index_select(0, slots_all[a : a + n])).sum().item()
-        accs.append(hits / max(int((step_slots[i] >= 0).sum()), 1))
+        sums += [ce[a : a + n].sum(), hits[a : a + n].sum(), (step_slots[i] >= 0).sum()]
         a += n
+    read = torch.stack(sums).view(length, 3).tolist() if sums else []
+    plosses = [lsum / max(len(rows), 1) for (lsum, _, _), rows in zip(read, step_rows, strict=True)]
+    accs = [hit / max(total, 1) for _, hit, total in read]
     return StepStats(loss, plosses, accs)
+
+
+def _rows_of(masks: torch.Tensor) -> list[torch.Tensor]:
+    """The indexes where each row of masks [K, N] is True: one nonzero and one transfer of the K counts."""
+    where = masks.nonzero()  # [found, 2], in row order
+    counts = torch.bincount(where[:, 0], minlength=masks.shape[0]).tolist()
+    return list(where[:, 1].split(counts))

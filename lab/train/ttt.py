@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import time
 from collections.abc import Callable
@@ -155,15 +156,16 @@ def train(
                     tcfg.step_weight,
                     data.loss_mask[idx].to(device),
                 )
-            if not torch.isfinite(stats.loss):
-                raise FloatingPointError(f"non-finite training loss at step {step}: {stats.loss.item()}")
+            value = stats.loss.item()  # one host sync a step, for the finite check and the log alike
+            if not math.isfinite(value):
+                raise FloatingPointError(f"non-finite training loss at step {step}: {value}")
             opt.zero_grad(set_to_none=True)
             scaler.scale(stats.loss).backward()
             scaler.unscale_(opt)  # the gradient's norm is clipped as it is, not as scaled
             torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
             scaler.step(opt)
             scaler.update()
-            window.append({"loss": stats.loss.item(), "plosses": stats.plosses, "accs": stats.accs})
+            window.append({"loss": value, "plosses": stats.plosses, "accs": stats.accs})
             window_tokens += int(data.input_ids[idx].numel())
             done = step + 1
             if done % tcfg.log_every == 0 or done == tcfg.steps:
