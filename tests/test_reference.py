@@ -79,9 +79,9 @@ def test_accepted_drafts_after_a_stop_token_do_not_count(micro_cfg, micro_target
     rounds: list[list[int]] = []
 
     def accept_all(drafts, *args):  # every draft accepted, as a drafter that agrees with its target would be
-        _, bonus, tokens = real(drafts, *args)
+        _, bonus, tokens, _ = real(drafts, *args)
         rounds.append(tokens)
-        return len(tokens), bonus, tokens
+        return len(tokens), bonus, tokens, None  # None: the committed tokens uploaded from these ints
 
     monkeypatch.setattr(reference_module, "_accept", accept_all)
     speculative_decode(micro_target.model, drafter, prompts[0], 24, 4)

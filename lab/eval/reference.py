@@ -148,11 +148,16 @@ def target_decode(
     pre = prefilled or prefill(target_model, prompt, [0])
     start = time.perf_counter()
     past, tokens = pre.cache(), [_pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]]
+    token = torch.tensor([[tokens[-1]]], device=lm_head.device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        token = torch.tensor([[tokens[-1]]], device=lm_head.device)
         out = target_model(input_ids=token, past_key_values=past, use_cache=True)
         past = out.past_key_values
-        tokens.append(_pick(out.logits[0, -1], temperature, generator)[0])
+        if temperature == 0:  # the next input stays on the device: one read a token, no upload
+            token = out.logits[0, -1].argmax().view(1, 1)
+            tokens.append(int(token))
+        else:
+            tokens.append(_pick(out.logits[0, -1], temperature, generator)[0])
+            token = torch.tensor([[tokens[-1]]], device=lm_head.device)
     return tokens, pre.seconds + time.perf_counter() - start
 
 
@@ -162,16 +167,17 @@ def _accept(
     target_z: torch.Tensor,
     temperature: float,
     generator: torch.Generator | None,
-) -> tuple[int, int, list[int]]:
-    """(number of drafts accepted, the token that follows them, the drafts as ints) from the drafts [k] and the
-    target's logits [k+1, V]: greedy reads them from the device in one transfer a round."""
+) -> tuple[int, int, list[int], torch.Tensor | None]:
+    """(number of drafts accepted, the token that follows them, the drafts as ints, and greedy's committed
+    tokens, the accepted drafts and that token, still on the device) from the drafts [k] and the target's
+    logits [k+1, V]: greedy reads them from the device in one transfer a round."""
     k = len(drafts)
     if temperature == 0:
         preds = target_z.argmax(-1)  # preds[i] follows drafts[:i]
         accepted = (drafts == preds[:k]).int().cumprod(0).sum()  # the longest prefix that matches
         said = torch.cat([accepted[None], preds, drafts]).tolist()
         accepted = said[0]
-        return accepted, said[1 + accepted], said[k + 2 :]
+        return accepted, said[1 + accepted], said[k + 2 :], torch.cat([drafts[:accepted], preds[accepted:][:1]])
     tokens = drafts.tolist()
     p = torch.softmax(target_z.float() / temperature, dim=-1)
     for i, (d, q) in enumerate(zip(tokens, draft_probs, strict=True)):
@@ -180,8 +186,8 @@ def _accept(
             residual = (p[i] - q).clamp_min(0)
             total = residual.sum()
             dist = residual / total if total > 0 else p[i]
-            return i, _sample(dist, generator), tokens
-    return k, _sample(p[k], generator), tokens
+            return i, _sample(dist, generator), tokens, None
+    return k, _sample(p[k], generator), tokens, None
 
 
 @torch.no_grad()
@@ -214,16 +220,17 @@ def speculative_decode(
     n = len(prompt)  # committed tokens in the target cache
 
     dcache = KVCache(len(drafter.layers), record=probes is not None)
-    # drafter context: entry t = (features of t, token t+1), for the positions just committed
-    ctx_tokens, ctx_aux, ctx_start = prompt[1:] + [pending], cap.aux, 0
+    # drafter context: entry t = (features of t, token t+1), for the positions just committed; its tokens on
+    # the device (greedy rounds never upload them: they are the last round's accepted drafts and bonus)
+    ctx_ids, ctx_aux, ctx_start = torch.tensor(prompt[1:] + [pending], device=device), cap.aux, 0
 
     while len(generated) < max_new_tokens and pending not in stop_ids:
         drafting = time.perf_counter()
         with autocast(device, lm_head.dtype):
             positions = torch.arange(ctx_start, n + k, device=device)[None]  # the context's, then the drafts'
             hidden = drafter.project(ctx_aux.to(features))
-            context = positions[:, : len(ctx_tokens)]
-            h_out = drafter(torch.tensor([ctx_tokens], device=device), hidden, context, dcache)[:, -1:]
+            context = positions[:, : len(ctx_ids)]
+            h_out = drafter(ctx_ids[None], hidden, context, dcache)[:, -1:]
             drafted: list[torch.Tensor] = []  # [1] each, on the device: greedy drafting never waits for the host
             draft_probs: list[torch.Tensor | None] = []
             for j in range(k):
@@ -247,9 +254,9 @@ def speculative_decode(
             torch.cuda.synchronize(device)
         verifying = time.perf_counter()
         stats.draft_seconds += verifying - drafting
-        proposed = torch.cat([torch.tensor([pending], device=device), *drafted])[None]  # [1, k + 1]
+        proposed = torch.cat([ctx_ids[-1:], *drafted])[None]  # [1, k + 1]: the pending token, the drafts
         verify = capture(target_model, proposed, aux_layers, past_key_values=target_cache)
-        accepted, bonus, drafts = _accept(
+        accepted, bonus, drafts, committed = _accept(
             proposed[0, 1:], draft_probs, verify.final[0] @ lm_head.T, temperature, generator
         )
         stats.verify_seconds += time.perf_counter() - verifying
@@ -264,7 +271,7 @@ def speculative_decode(
         if accepted < k:  # drop the rejected drafts (a negative count: tokens to remove from the end)
             target_cache.crop(-(k - accepted))
         dcache.crop(n)  # drop the drafted entries; the context entries stay valid
-        ctx_tokens = drafts[:accepted] + [bonus]
+        ctx_ids = committed if committed is not None else torch.tensor(drafts[:accepted] + [bonus], device=device)
         ctx_aux = verify.aux[:, : accepted + 1]
         ctx_start = n
         n += accepted + 1

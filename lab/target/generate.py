@@ -253,7 +253,8 @@ def greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: i
             use_cache=True,
             logits_to_keep=1,  # the prompt's full-vocabulary logits are never needed
         ).logits[:, -1]
-        tokens = logits.argmax(-1).tolist()
+        next_ids = logits.argmax(-1)  # the next step's input, on the device: read once, never uploaded
+        tokens = next_ids.tolist()
         keep = []
         for j, row in enumerate(alive):
             if tokens[j] == eos:
@@ -268,10 +269,10 @@ def greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: i
             cache.batch_select_indices(index)
             mask = mask[index]
             alive = [alive[j] for j in keep]
-            tokens = [tokens[j] for j in keep]
+            next_ids = next_ids[index]
         positions = mask.sum(-1, keepdim=True)  # the new token's position: the real tokens before it
         mask = torch.cat([mask, torch.ones((len(alive), 1), dtype=torch.long, device=device)], dim=1)
-        step_ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
+        step_ids = next_ids[:, None]
     return outs
 
 
