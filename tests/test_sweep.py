@@ -318,7 +318,7 @@ def test_helpers_start_after_the_shared_caches_are_warm_on_every_core(tmp_path, 
     class Started(Exception):
         pass
 
-    def started(worker_args, extra, threads, count, log):
+    def started(worker_args, extra, threads, count, log, gpus=None):
         calls.append(("helpers", threads, count))
         raise Started
 
