@@ -1,4 +1,4 @@
-"""The metric keys (lab/metrics.py): docs/design.md's catalogue and the builders agree both ways, the keys that
+"""The metric keys (lab/metrics.py): docs/metrics.md's catalogue and the builders agree both ways, the keys that
 the evaluation, the rollout, the vLLM worker and the trainer log are exactly the builders', and the keys stay
 those recorded runs hold. No target is built: a random Llama, a hand-built drafter and a stand-in for vLLM."""
 
@@ -19,7 +19,7 @@ import pytest
 from lab import metrics as keys
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTRACT = "## The metric contract"
+CONTRACT = "# The metric contract"
 HEADER = "| key | builder | what |"
 NOT_KEYS = {"suite_variant", "is_training_curve"}  # a builder's `suite`, a predicate: not keys
 
@@ -43,9 +43,9 @@ def patterns(fn) -> set[str]:
 
 
 def catalogue() -> list[tuple[list[str], str]]:
-    """(keys, builder) of every row of the key tables in docs/design.md's metric contract."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    assert CONTRACT in text, f"docs/design.md needs the section '{CONTRACT}'"
+    """(keys, builder) of every row of the key tables in the metric contract (docs/metrics.md)."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    assert CONTRACT in text, f"docs/metrics.md needs the section '{CONTRACT}'"
     section = text.split(CONTRACT, 1)[1].split("\n## ", 1)[0]
     rows, in_table = [], False
     for line in section.splitlines():
@@ -56,27 +56,27 @@ def catalogue() -> list[tuple[list[str], str]]:
         elif in_table and not line.startswith("|---"):
             key_cell, builder_cell = line.split("|")[1:3]
             rows.append((re.findall(r"`([^`]+)`", key_cell), builder_cell.strip().strip("`")))
-    assert rows, f"no table '{HEADER}' under '{CONTRACT}' in docs/design.md"
+    assert rows, f"no table '{HEADER}' under '{CONTRACT}' in docs/metrics.md"
     return rows
 
 
 def test_the_catalogue_and_the_builders_agree_both_ways():
     rows, found = catalogue(), builders()
     unknown = sorted({b for _, b in rows} - set(found))
-    assert not unknown, f"docs/design.md names builders lab/metrics.py lacks: {unknown}"
+    assert not unknown, f"docs/metrics.md names builders lab/metrics.py lacks: {unknown}"
     undocumented = sorted(set(found) - {b for _, b in rows})
-    assert not undocumented, f"builders of lab/metrics.py without a row in docs/design.md: {undocumented}"
+    assert not undocumented, f"builders of lab/metrics.py without a row in docs/metrics.md: {undocumented}"
     wrong = [
         f"{k}: not what {b} builds ({', '.join(sorted(patterns(found[b])))})"
         for ks, b in rows
         for k in ks
         if k not in patterns(found[b])
     ]
-    assert not wrong, "docs/design.md's metric catalogue:\n" + "\n".join(wrong)
+    assert not wrong, "docs/metrics.md's metric catalogue:\n" + "\n".join(wrong)
     documented = [k for ks, _ in rows for k in ks]
-    assert len(documented) == len(set(documented)), "a key has two rows in docs/design.md"
+    assert len(documented) == len(set(documented)), "a key has two rows in docs/metrics.md"
     missing = sorted({p for name, fn in found.items() for p in patterns(fn)} - set(documented))
-    assert not missing, f"keys lab/metrics.py builds that docs/design.md's catalogue lacks: {missing}"
+    assert not missing, f"keys lab/metrics.py builds that docs/metrics.md's catalogue lacks: {missing}"
 
 
 def test_keys_are_the_ones_recorded_runs_hold():

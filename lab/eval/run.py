@@ -25,7 +25,7 @@ from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, roll
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
 
 Metrics = dict[str, float | list[float]]
-PER_PROMPT_FORMAT = 1  # the version of the per_prompt/*.json artifacts (docs/design.md)
+PER_PROMPT_FORMAT = 1  # the version of the per_prompt/*.json artifacts (docs/metrics.md)
 
 
 @dataclass

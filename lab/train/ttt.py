@@ -47,7 +47,7 @@ def _hold(done: int, stop: StopRequest) -> None:
 
 
 def simulated_acc_len(accs: list[float]) -> float:
-    """sum over k of prod_{j<=k} acc_j (docs/design.md)."""
+    """sum over k of prod_{j<=k} acc_j (docs/metrics.md)."""
     total, running = 0.0, 1.0
     for a in accs:
         running *= a
