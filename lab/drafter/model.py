@@ -13,8 +13,9 @@ Data flow of one drafting step (H = hidden size, A = number of captured target l
 Parameter names follow vLLM's `llama_eagle3.py` / TorchSpec's checkpoints (`fc.weight`,
 `fc_norm.{i}.weight`, `layers.0.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`), so the
 state dict exports without renaming. Attention goes through a cache object that decides what a
-query may see: `KVCache` for decoding (all earlier positions), `TTTCache` for training (the causal
-context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train).
+query may see: `KVCache` for decoding (all earlier positions), `TTTCache` for the TTT unroll (the causal
+context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train), the dense
+reference of what training's fast path computes and what the probes read.
 
 This file is the reference, one drafting step at a time over dense tensors. Training's fast path (the
 whole TTT unroll over rows, with a fused attention kernel per device) lives beside it in
