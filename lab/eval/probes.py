@@ -147,7 +147,8 @@ def shuffled_rollout_counts(
     shuffle costs is what the drafter reads from that input. `features`: the target's captured states
     (every depth reads them, through step 0). `feedback`: the state fed to each later drafting step (depth 1
     reads none and is unchanged), through a dense unroll (the reference model's `TTTCache.attend`, what
-    training's fast path computes over rows: [B, heads, T, T] attention per step, for analysis); None runs that dense unroll unshuffled."""
+    training's fast path computes over rows: [B, heads, T, T] attention per step, for analysis); None runs that
+    dense unroll unshuffled."""
     if shuffled not in (*SHUFFLED, None):
         raise ValueError(f"shuffled: unknown '{shuffled}'; allowed: {', '.join(SHUFFLED)}")
     b, t = input_ids.shape
