@@ -677,10 +677,13 @@ def cmd_study_import(args: argparse.Namespace) -> int:
     from lab import track
 
     try:
-        # one import into a store at a time: two at once would each plan every run as missing and write it twice
+        # under the lock a study's parent run is found or created with (track.parent_run): two imports at once
+        # would each plan every run as missing and write it twice, and a study launched during an import would
+        # create a second parent under the imported one's key
+        waiting = f"another lab process is importing into {redact(uri)} or creating a study's parent run there"
         with (
             transfer.open_archive(path) as archive,  # checked through before anything is written
-            track.store_lock(uri, "import", f"another lab process is importing into {redact(uri)}"),
+            track.store_lock(uri, "parents", waiting),
         ):
             try:
                 plan = transfer.plan_import(uri, cfg.tracking.artifact_root, archive)

@@ -212,12 +212,13 @@ def test_mixed_verbs_at_once_on_a_fresh_then_an_existing_sqlite_store(one_at_a_t
     shutil.copytree(one_at_a_time.parent / "cache" / "targets", root / "cache" / "targets")
     store, uri = _store(root, cache=root / "cache"), _sqlite(root)
 
-    # a fresh store and a fresh cache: two runs, the same ablation launched twice, and the MLflow UI, all at once
+    # a fresh store and a fresh cache: two runs, the same ablation launched twice (once with a worker
+    # subprocess of its own) and the MLflow UI, all at once
     first = Procs(root)
     first.start("run1", "run", "seed=1", *store)
     first.start("run2", "run", "seed=2", *store)
     first.start("ablate1", "ablate", *EXPERIMENT, *store)
-    first.start("ablate2", "ablate", *EXPERIMENT, *store)
+    first.start("ablate2", "ablate", *EXPERIMENT, "--workers", "2", *store)
     ui = _free_port()
     first.start("ui", "ui", "--port", str(ui), *store)
     first.wait_all({"ui": f"http://127.0.0.1:{ui}/health"})
@@ -254,12 +255,15 @@ def test_mixed_verbs_at_once_on_a_fresh_postgres_store(one_at_a_time, fresh_data
     root.mkdir()
     uri = fresh_database("lab_test_concurrency")
     store = _store(root, uri)
+    # a fresh database: two runs, the same ablation launched twice and `lab server` over it, all at once
     procs = Procs(root)
     procs.start("run1", "run", "seed=1", *store)
     procs.start("run2", "run", "seed=2", *store)
     procs.start("ablate1", "ablate", *EXPERIMENT, *store)
     procs.start("ablate2", "ablate", *EXPERIMENT, *store)
-    procs.wait_all({})
+    port = _free_port()
+    procs.start("server", "server", "--port", str(port), *store)  # two server processes open the store
+    procs.wait_all({"server": f"http://127.0.0.1:{port}/health"})
     parent = _check_store(uri, {1, 2})
     procs.start("report", "report", *EXPERIMENT[:3], "--run", parent, "--out", str(root / "report"), *store)
     procs.wait_all({})

@@ -243,26 +243,13 @@ def _writers(path: Path) -> str:
 def _writing(uri: str, exclusive: bool = False) -> Iterator[None]:
     """The body as one of the store's writers (shared), or as its only user (`exclusive`: the re-key).
     ConfigError when the other kind holds the store."""
-    import fcntl
-
-    from lab.config import ConfigError
-
     path = _lock_file(uri, "writers")
     if path is None:  # a server or database store: its clients are not all on this machine (docs/running.md)
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if exclusive:
-                raise ConfigError(
-                    "--rekey", f"refused while {_writers(path)} writes to this store; run it again once it has ended"
-                ) from None
-            raise ConfigError(
-                "tracking.uri", f"refused while {_writers(path)} re-keys this store; run this again once it has ended"
-            ) from None
+        _take(fh, path, exclusive)
         note = _writer_note(path)
         try:
             yield
@@ -270,11 +257,33 @@ def _writing(uri: str, exclusive: bool = False) -> Iterator[None]:
             note.unlink(missing_ok=True)
 
 
+def _take(fh: Any, path: Path, exclusive: bool) -> None:
+    """The writers lock on the open file `fh`, or ConfigError naming who holds it the other way."""
+    import fcntl
+
+    from lab.config import ConfigError
+
+    try:
+        fcntl.flock(fh, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if exclusive:
+            raise ConfigError(
+                "--rekey", f"refused while {_writers(path)} writes to this store; run it again once it has ended"
+            ) from None
+        raise ConfigError(
+            "tracking.uri", f"refused while {_writers(path)} re-keys this store; run this again once it has ended"
+        ) from None
+
+
 def check_writable(uri: str) -> None:
     """ConfigError (one line naming it) when `lab doctor --rekey` holds the local store at `uri`: a command
-    that will write there is refused before its work, not when it opens its run."""
-    with _writing(uri):
-        pass
+    that will write there is refused before its work, not when it opens its run. Creates nothing: without
+    the lock file, no re-key has ever run there."""
+    path = _lock_file(uri, "writers")
+    if path is None or not path.is_file():
+        return
+    with open(path) as fh:
+        _take(fh, path, exclusive=False)
 
 
 def _shown(uri: str) -> str:
