@@ -226,6 +226,8 @@ def _writers(path: Path) -> str:
     """The live processes that left a note beside the lock `path`: '`COMMAND` (pid N)', joined."""
     found = []
     for note in sorted(path.with_suffix(".d").glob("*")):
+        if not note.name.split(".")[0].isdigit():
+            continue  # not a note of ours
         pid = int(note.name.split(".")[0])
         try:
             os.kill(pid, 0)
