@@ -96,6 +96,7 @@ def _reachable(uri: str) -> str:
         raise ConfigError(
             "tracking.uri", f"{exc} (start it with `lab ui` / `mlflow server`, or use the local sqlite store)"
         ) from None
+    track.check_writable(uri)  # refused now, in one line, while `lab doctor --rekey` rewrites the store
     return uri
 
 
@@ -322,7 +323,10 @@ def cmd_paper(args: argparse.Namespace) -> int:
     command = " ".join(["lab paper", *said, *(["--out", str(args.out)] if args.out else [])])
     title = f"EAGLE 3.1's claims measured on {cfg.target.name}" + (f" ({' '.join(said)})" if said else "")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(paper.markdown(findings, title, command))
+    from lab.fsutil import atomic_file
+
+    with atomic_file(out) as tmp:  # whole or absent: another `lab paper` may write or read the page too
+        tmp.write_text(paper.markdown(findings, title, command))
     for f in findings:
         print(f"{f.claim.title}: {f.verdict()}; {f.said()}")
     print(f"page: {out}")
@@ -535,6 +539,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     check_paths(cfg, keys=STORE_KEYS)
     workers = _capped_workers(args)
     validated("server")
+    try:  # created once here: the server's workers would each migrate a new store
+        track.prepare_store(backend)
+    except Exception as exc:  # noqa: BLE001 - a refused connection, a missing driver: one line
+        raise ConfigError("tracking.uri", f"cannot open {redact(backend)}: {str(exc).splitlines()[0]}") from None
     cmd = track.server_command(backend, root, args.host, args.port, workers)
     print(f"MLflow tracking server on http://{args.host}:{args.port}: store {redact(backend)}, artifacts in {root}")
     print(f"  workers log to it with: tracking.uri=http://{args.host}:{args.port}")
@@ -666,8 +674,17 @@ def cmd_study_import(args: argparse.Namespace) -> int:
     cfg = compose(args.overrides)
     check_paths(cfg, keys=STORE_KEYS)
     uri = _reachable(cfg.tracking.uri)
+    from lab import track
+
     try:
-        with transfer.open_archive(path) as archive:  # checked through before anything is written
+        # under the lock a study's parent run is found or created with (track.parent_run): two imports at once
+        # would each plan every run as missing and write it twice, and a study launched during an import would
+        # create a second parent under the imported one's key
+        waiting = f"another lab process is importing into {redact(uri)} or creating a study's parent run there"
+        with (
+            transfer.open_archive(path) as archive,  # checked through before anything is written
+            track.store_lock(uri, "parents", waiting),
+        ):
             try:
                 plan = transfer.plan_import(uri, cfg.tracking.artifact_root, archive)
             except ValueError as exc:

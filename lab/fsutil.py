@@ -160,15 +160,18 @@ def clean_leftovers(final: Path) -> list[Path]:
 def replace_dir(src: Path, final: Path) -> None:
     """Publish the finished folder `src` (a sibling of `final`) as `final`: flushed to the disk first, then
     renamed into place. An existing `final` is renamed aside just before and removed after, so that the path
-    holds the old folder, nothing (between the two renames) or the new folder, never a mix of them."""
-    clean_leftovers(final)
+    holds the old folder, nothing (between the two renames) or the new folder, never a mix of them. Two
+    processes publishing the same folder (two reports of one study) take turns: at once, one would rename the
+    other's new folder aside, or its own onto a folder that is not empty (ENOTEMPTY)."""
     fsync_tree(src)
     old = None
-    if os.path.lexists(final):
-        old = _sibling(final, "old")
-        os.replace(final, old)
-    os.replace(src, final)
-    fsync_path(final.parent)
+    with file_lock(final.parent / f".{final.name}.publish.lock"):
+        clean_leftovers(final)
+        if os.path.lexists(final):
+            old = _sibling(final, "old")
+            os.replace(final, old)
+        os.replace(src, final)
+        fsync_path(final.parent)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)

@@ -37,7 +37,9 @@ def dashboard_command(url: str) -> str:
 def open_storage(url: str) -> optuna.storages.BaseStorage:
     if url.startswith(OPTUNA_DB_PREFIXES):
         try:
-            return adapter.rdb_storage(url)
+            # Optuna creates its tables on first open without a lock: one process at a time
+            with track.store_lock(url, "optuna-schema", f"another lab process is creating {redact(url)}"):
+                return adapter.rdb_storage(url)
         except Exception as exc:  # a missing driver, a refused connection: one line
             first = str(exc).splitlines()[0]
             raise ConfigError("tracking.optuna_storage", f"cannot open '{redact(url)}': {first}") from None

@@ -37,7 +37,7 @@ from mlflow.tracking import MlflowClient
 
 from lab.config import redact
 from lab.fsutil import atomic_file, sha256_file, temp_dir
-from lab.track import _equals, _no_progress_bar, configure, ensure_experiment, git_commit, local_paths
+from lab.track import _equals, _no_progress_bar, _writing, configure, ensure_experiment, git_commit, local_paths
 
 FORMAT = "lab-study-archive"
 SCHEMA = 1  # bump when a reader of version 1 could not read what is written: older labs then refuse it
@@ -461,6 +461,11 @@ def apply_import(plan: ImportPlan, parent_tags: dict[str, str] | None = None) ->
     """Create the runs `plan` found missing (parent first), each complete before the next; `parent_tags` are
     set on the parent run when it is created here."""
     configure(plan.uri)
+    with _writing(plan.uri):
+        return _apply(plan, parent_tags)
+
+
+def _apply(plan: ImportPlan, parent_tags: dict[str, str] | None) -> Imported:
     client = MlflowClient()
     archive = plan.archive
     result = Imported(parent_run_id="")
