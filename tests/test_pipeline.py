@@ -61,7 +61,7 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     assert tags["arm"] == "eagle31" and tags["study"] == "pipeline-test"
     assert params["drafter.fc_norm"] == "per_layer" and params["drafter.norm_output"] == "True"
     assert params["train.ttt_length"] == "3"
-    assert (params["device"], params["resolved.device"], params["resolved.dtype"]) == ("auto", "cpu", "float32")
+    assert (params["device"], params["resolved.device"], params["resolved.dtype"]) == ("cpu", "cpu", "float32")
     client = mlflow.MlflowClient()
     curve = client.get_metric_history(run_id, "eval/in_dist/ref/k3/accept_rate")
     assert sorted(m.step for m in curve) == [1, 2, 3]
