@@ -17,7 +17,6 @@ backward included) per second over the card's dense bf16 peak; CPUs have no entr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import platform
 import shlex
@@ -27,6 +26,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from omegaconf import OmegaConf
@@ -70,17 +70,6 @@ def host_syncs(device: torch.device, fn) -> int | None:  # noqa: ANN001
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
-
-
-@contextlib.contextmanager
-def patched(owner, name: str, value):  # noqa: ANN001
-    """`owner.name` set to `value` for the block."""
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
 
 
 def _timed(device: torch.device, fn) -> float:  # noqa: ANN001
@@ -236,7 +225,7 @@ def main() -> int:
         # torch's counter refuses some SDPA calls (grouped-query heads on CUDA): then no MFU, the timings stay
         flops, why = None, ""
         try:
-            with patched(ttt_attention, "kernel_for", lambda _: ttt_attention.PORTABLE):
+            with patch.object(ttt_attention, "kernel_for", lambda _: ttt_attention.PORTABLE):
                 with FlopCounterMode(display=False) as counter:
                     step()
             flops = counter.get_total_flops()
@@ -247,7 +236,9 @@ def main() -> int:
         out = []
         kernels = [None] if device.type != "cuda" else [None, ttt_attention.CUDA_EFFICIENT, ttt_attention.PORTABLE]
         for kernel in kernels:  # the device's choice first, then the others it could have made, side by side
-            with patched(ttt_attention, "kernel_for", (lambda _, k=kernel: k) if kernel else ttt_attention.kernel_for):
+            with patch.object(
+                ttt_attention, "kernel_for", (lambda _, k=kernel: k) if kernel else ttt_attention.kernel_for
+            ):
                 name = (kernel or ttt_attention.kernel_for(device)).name
                 try:
                     step()
