@@ -344,12 +344,6 @@ def before(recorded) -> dict[str, Any]:
     return state
 
 
-def test_table_has_every_kind_of_bad_input():
-    assert len(CASES) >= 22
-    verbs = {argv[0] for _, argv, _, _ in CASES}
-    assert verbs == {"run", "sweep", "ablate", "report", "export"}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("argv", "key", "hint"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_fails_in_one_line_and_changes_nothing(argv, key, hint, recorded, before):

@@ -110,10 +110,22 @@ def test_a_family_refuses_a_member_it_lacks():
         keys.acceptance_length("in_dist", 3, "hf")  # type: ignore[arg-type]
 
 
-def test_the_backends_are_the_configs():
-    from lab.config import BACKENDS
+def test_a_config_names_only_backends_that_have_keys():
+    """A run logs `eval/{suite}/{backend}/...` for each of its `eval.backends`: a backend the config takes but the
+    builders refuse would fail only after training. So composing takes exactly the builders' backends (the
+    config's own list, `BACKENDS`, and a name neither knows are tried too)."""
+    from lab.composition import compose
+    from lab.config import BACKENDS, ConfigError
 
-    assert get_args(keys.Backend) == BACKENDS
+    for backend in {*get_args(keys.Backend), *BACKENDS, "sglang"}:
+        try:
+            taken = list(compose([f"eval.backends=[{backend}]"]).eval.backends) == [backend]
+        except ConfigError as error:
+            assert str(error).startswith("eval.backends"), error
+            taken = False
+        assert taken == (backend in get_args(keys.Backend)), f"eval.backends=[{backend}]: composed {taken}"
+        if taken:
+            assert keys.acceptance_length("in_dist", 3, backend) == f"eval/in_dist/{backend}/k3/al"
 
 
 def test_imports_nothing_of_lab_and_nothing_heavy():
