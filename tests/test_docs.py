@@ -16,7 +16,7 @@ DOCS = ROOT / "docs"
 DESIGN = DOCS / "design.md"
 TESTING = DOCS / "testing.md"
 README_LIMIT = 12_000
-DESIGN_LIMIT = 50_000  # one sitting: the architecture, the contracts, how to extend (the test table is in TESTING)
+DESIGN_LIMIT = 25_000  # one sitting: the design alone (metric keys: metrics.md, tests: TESTING, history: CHANGELOG)
 TEST_TABLE = "## What each file covers"
 
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
@@ -27,7 +27,7 @@ HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
 
 
 def _pages() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    return [README, ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
 
 
 def _prose(text: str) -> str:
@@ -78,7 +78,7 @@ def test_relative_links_resolve(page: Path):
 
 def test_the_design_is_read_in_one_sitting():
     size = len(DESIGN.read_text())
-    assert size < DESIGN_LIMIT, f"docs/design.md has {size} characters; keep it to the design (limit {DESIGN_LIMIT})"
+    assert size <= DESIGN_LIMIT, f"docs/design.md has {size} characters; keep it to the design (limit {DESIGN_LIMIT})"
 
 
 def _test_table_files() -> set[str]:

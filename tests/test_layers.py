@@ -4,54 +4,71 @@ its importer may use, and no modules import each other in a circle (docs/design.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAB = ROOT / "lab"
 
-EVERYTHING = {"config", "metrics", "base", "target", "data", "drafter", "train", "eval", "track", "preflight"}
-EVERYTHING |= {"pipeline", "sweep", "report"}
-# layer: the other layers its modules may import. docs/design.md's "Import rules" table says the same; the
-# last test keeps the two equal. `config` (the schema and its own modules, CONFIG_ORDER) and `metrics` (the
-# metric keys) import nothing of lab besides themselves.
-ALLOWED: dict[str, set[str]] = {
-    "config": set(),
-    "metrics": set(),
-    "base": {"config", "metrics"},
-    "target": {"config", "metrics", "base"},
-    "data": {"config", "metrics", "base", "target"},
-    "drafter": {"config", "metrics", "base"},
-    "train": {"config", "metrics", "base", "target", "data", "drafter"},
-    "eval": {"config", "metrics", "base", "target", "data", "drafter"},
-    "track": {"config", "metrics", "base"},
-    "preflight": {"config", "metrics", "base", "target", "data", "drafter"},
-    "pipeline": {"config", "metrics", "base", "target", "data", "drafter", "train", "eval", "track"},
-    "sweep": {"config", "metrics", "base", "preflight", "pipeline", "track"},
-    "report": {"config", "metrics", "base", "track"},
-    "cli": EVERYTHING,
-}
+DESIGN = ROOT / "docs" / "design.md"
 BASE = {"lab", "lab.fsutil", "lab.assets", "lab.schedule", "lab.device"}
-# the config layer in the order its modules import each other: each imports only those before it (docs/design.md)
-CONFIG_ORDER = [
-    "rules",  # the rule engine of the config's and the spec files' schemas
-    "config",  # the schema, its enums, ConfigError and constants
-    "shape",  # the target's shape from the config and a HF folder's config.json
-    "validation",  # checks of a whole config
-    "composition",  # Hydra composition and its one-line errors
-    "identity",  # flatten, config_hash, arm_name
-]
-CONFIG_LAYER = {f"lab.{name}" for name in CONFIG_ORDER}
+
+# The rules are docs/design.md's, read from its "Import rules" section, so that the page and the checks below
+# cannot say different things: the layer table (each layer: the layers its modules may import) and the two
+# orders, of the config layer's modules and of lab/sweep/'s (each module imports only those before it).
+
+
+def _import_rules() -> str:
+    text = DESIGN.read_text()
+    assert "### Import rules" in text, "docs/design.md needs its section '### Import rules'"
+    return text.split("### Import rules", 1)[1].split("\n## ", 1)[0]
+
+
+@functools.cache
+def allowed() -> dict[str, frozenset[str]]:
+    """The layer table: each layer and the other layers its modules may import ("everything": all of them)."""
+    rows = [line.split("|")[1:-1] for line in _import_rules().splitlines() if line.startswith("| `")]
+    names = [name.strip().strip("`") for name, _, _ in rows]
+    assert names, "no layer table under docs/design.md's '### Import rules'"
+    return {
+        name: frozenset(set(names) - {name}) if may.strip() == "everything"
+        else frozenset(set(re.findall(r"`([a-z]+)`", may)) - {"lab"})  # "nothing of `lab`"
+        for name, (_, _, may) in zip(names, rows, strict=True)
+    }  # fmt: skip
+
+
+def stated_order(opening: str) -> list[str]:
+    """The modules named, in order, by the bullet of "Import rules" that starts with `opening`."""
+    section = _import_rules()
+    assert f"- {opening}" in section, f"docs/design.md's Import rules need the bullet '{opening} ...'"
+    bullet = " ".join(section.split(f"- {opening}", 1)[1].split("\n- ", 1)[0].split())
+    return re.findall(r"`([a-z_]+)`", bullet.split("before it in", 1)[1].split(". ", 1)[0])
+
+
+@functools.cache
+def config_order() -> list[str]:
+    """The config layer's modules in the order they import each other, by dotted name: each name of the page
+    as a module of `lab/config/`, else of `lab/` (`config` itself: the schema, `lab.config`)."""
+    known = modules(LAB)
+    found = [next((m for m in (f"lab.config.{n}", f"lab.{n}") if m in known), f"lab.{n}") for n in
+             stated_order("The config layer's modules import one way")]  # fmt: skip
+    return found
+
+
+@functools.cache
+def sweep_order() -> list[str]:
+    return [f"lab.sweep.{name}" for name in stated_order("Inside `lab/sweep/` data flows one way")]
 
 
 def layer(module: str) -> str | None:
     """The layer of a module of `lab`: config, base, a stage's package, or one of the modules above them."""
-    if module in CONFIG_LAYER:
+    if module in config_order():
         return "config"
     if module in BASE:
         return "base"
     name = module.split(".")[1]
-    return name if name in ALLOWED else None
+    return name if name in allowed() else None
 
 
 def modules(root: Path, package: str = "lab") -> dict[str, Path]:
@@ -139,9 +156,9 @@ def wrong_layers(edges: list[tuple[str, str, str]]) -> list[str]:
         la, lb = layer(a), layer(b)
         if la is None or lb is None:
             unknown = a if la is None else b
-            problems.append(f"{where}: {unknown} belongs to no layer: add it to ALLOWED and docs/design.md")
-        elif la != lb and lb not in ALLOWED[la]:
-            may = ", ".join(sorted(ALLOWED[la])) or "nothing of lab"
+            problems.append(f"{where}: {unknown} belongs to no layer: add it to docs/design.md's Import rules")
+        elif la != lb and lb not in allowed()[la]:
+            may = ", ".join(sorted(allowed()[la])) or "nothing of lab"
             problems.append(f"{where}: {a} ({la}) -> {b} ({lb}); {la} may import {may}")
     return problems
 
@@ -161,20 +178,19 @@ def test_no_layer_imports_a_later_one():
 
 
 def test_config_and_metrics_import_nothing_of_lab():
-    """metrics imports nothing of lab; the config layer's modules only those before them in CONFIG_ORDER."""
+    """metrics imports nothing of lab; the config layer's modules only those before them in the page's order,
+    which names every module of the layer and no other."""
     assert [e for e in imports(LAB) if e[0] == "lab.metrics"] == []
-    rank = {f"lab.{name}": i for i, name in enumerate(CONFIG_ORDER)}
+    known = modules(LAB)
+    missing = [m for m in config_order() if m not in known]
+    assert not missing, f"docs/design.md's config order names modules lab lacks: {missing}"
+    unplaced = sorted(m for m in known if m.startswith("lab.config.") and m not in config_order())
+    assert not unplaced, f"place these in docs/design.md's config order: {unplaced}"
+    rank = {m: i for i, m in enumerate(config_order())}
     wrong = [
         f"{where}: {a} -> {b}" for a, b, where in imports(LAB) if a in rank and (b not in rank or rank[b] >= rank[a])
     ]
-    assert not wrong, "config layer modules importing other than an earlier one (CONFIG_ORDER):\n" + "\n".join(wrong)
-
-
-def test_the_design_states_the_same_config_order():
-    text = (ROOT / "docs" / "design.md").read_text()
-    bullet = " ".join(text.split("- The config layer's modules import one way", 1)[1].split("\n- ", 1)[0].split())
-    stated = re.findall(r"`lab/([a-z_]+)\.py`", bullet.split("before it in", 1)[1].split(". ", 1)[0])
-    assert stated == CONFIG_ORDER
+    assert not wrong, "config layer modules importing other than an earlier one (docs/design.md):\n" + "\n".join(wrong)
 
 
 def test_the_checker_finds_circles_and_later_stages(tmp_path):
@@ -216,47 +232,31 @@ def test_config_knows_the_chat_templates_by_name():
     assert TEMPLATE_NAMES == tuple(TEMPLATES)
 
 
-def test_the_design_states_the_same_rules():
-    """docs/design.md's "Import rules" table: one row per layer, its modules and what it may import."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    section = text.split("### Import rules", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `")]
-    stated = {}
-    for name, _modules, may in rows:
-        named = set(re.findall(r"`([a-z]+)`", may)) - {"lab"}  # "nothing of `lab`"
-        stated[name.strip().strip("`")] = EVERYTHING if may.strip() == "everything" else named
-    assert stated == ALLOWED
-
-
-# lab/sweep/ in the order its data flows: each module imports only those before it (docs/design.md says the same)
-SWEEP_ORDER = [
-    "schema",  # the spec files' structured schema: imports nothing of lab
-    "specfile",
-    "spec",
-    "experiment",
-    "find",  # a study's parent run, its seeds, an arm's config, in a store (the CLI's look-ups)
-    "optuna_adapter",  # the only module that touches Optuna's private API
-    "storage",
-    "queue",
-    "summary",
-    "heartbeat",
-    "trial",
-    "workers",
-    "engine",
-    "dashboard",
-    "transfer",  # the Optuna part of a study's archive (`lab study`)
-]
+def test_the_stated_layers_are_the_packages_and_go_one_way():
+    """docs/design.md's layer table holds every module of lab and no layer without one, and is itself one way:
+    a layer may import only layers of rows above it (so the rules allow no circle), `config` and `metrics`
+    nothing, and `cli` everything."""
+    rules = allowed()
+    order = list(rules)
+    later = {name: sorted(rules[name] - set(order[: order.index(name)])) for name in order}
+    assert not any(later.values()), f"layers allowed to import a later row: { {k: v for k, v in later.items() if v} }"
+    assert rules["config"] == rules["metrics"] == frozenset() and rules["cli"] == frozenset(order) - {"cli"}
+    held = {m: layer(m) for m in modules(LAB)}
+    assert not [m for m, name in held.items() if name is None], "modules no row of docs/design.md's table holds"
+    assert set(held.values()) == set(order), f"rows without a module: {set(order) - set(held.values())}"
 
 
 def test_sweep_modules_import_one_way():
     sweep = {m for m in modules(LAB) if m.startswith("lab.sweep.")}
-    unplaced = sorted(m for m in sweep if m.removeprefix("lab.sweep.") not in SWEEP_ORDER)
-    assert not unplaced, f"place these in SWEEP_ORDER (and docs/design.md): {unplaced}"
-    rank = {f"lab.sweep.{name}": i for i, name in enumerate(SWEEP_ORDER)}
+    unplaced = sorted(sweep - set(sweep_order()))
+    assert not unplaced, f"place these in docs/design.md's lab/sweep/ order: {unplaced}"
+    stale = sorted(set(sweep_order()) - sweep)
+    assert not stale, f"docs/design.md's lab/sweep/ order names modules lab lacks: {stale}"
+    rank = {name: i for i, name in enumerate(sweep_order())}
     backwards = [
         f"{where}: {a} -> {b}" for a, b, where in imports(LAB) if a in rank and b in rank and rank[b] >= rank[a]
     ]
-    assert not backwards, "lab/sweep/ modules importing a later one (SWEEP_ORDER):\n" + "\n".join(backwards)
+    assert not backwards, "lab/sweep/ modules importing a later one (docs/design.md):\n" + "\n".join(backwards)
 
 
 def test_the_spec_schema_imports_only_the_rule_engine():
@@ -288,10 +288,3 @@ def test_only_the_adapter_touches_optunas_private_api():
     assert not found, "Optuna's private API outside lab/sweep/optuna_adapter.py:\n" + "\n".join(found)
     adapter = (LAB / "sweep" / "optuna_adapter.py").read_text()
     assert "._trial_id" in adapter and "get_storage(" in adapter  # the check above looks for the right names
-
-
-def test_the_design_states_the_same_sweep_order():
-    text = (ROOT / "docs" / "design.md").read_text()
-    bullet = " ".join(text.split("- Inside `lab/sweep/` data flows one way too", 1)[1].split("\n- ", 1)[0].split())
-    stated = re.findall(r"`([a-z_]+)`", bullet.split("before it in", 1)[1].split(". ", 1)[0])
-    assert stated == SWEEP_ORDER
