@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
 from lab.fsutil import mismatched_file, sha256_file, staged_output
+from lab.shape import vllm_default_aux_layers
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -159,7 +160,7 @@ def spec_from_config(
     if aux is None and aux_layers is not None:
         aux = list(aux_layers)
     if aux is None and target_num_layers is not None:
-        aux = [2, target_num_layers // 2, target_num_layers - 3]
+        aux = vllm_default_aux_layers(target_num_layers)
     if aux is None:
         raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is required")
     if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and i >= 0 for i in aux):
