@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lab.drafter.weights import WEIGHTS, draft_ids, module_weights, target_embedding
 
 
 @dataclass
@@ -305,6 +308,12 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if hasattr(self, "d2t") else draft_ids
 
+    def target_mask(self) -> torch.Tensor:
+        """t2d: a bool mask over the target vocabulary [vocab_size], True at the target ids of the draft vocabulary."""
+        mask = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
+        mask[self.draft_token_ids().cpu()] = True
+        return mask
+
     def to_target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """A distribution over the draft vocabulary [.., V_draft] as one over the target's [.., V]."""
         if not hasattr(self, "d2t"):
@@ -323,3 +332,42 @@ class Eagle3Drafter(nn.Module):
         for layer in self.layers:
             h = layer(embeds, h, cos, sin, cache)
         return h
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoint tensors <-> this state dict, as vLLM's model loads its own weights. The name table and
+    # the d2t / t2d checks live in lab/drafter/weights.py; the files and configs around them in
+    # lab/drafter/formats.py.
+
+    def load_weights(
+        self, weights: dict[str, torch.Tensor], embed_weight: torch.Tensor | None = None, where: str | Path = WEIGHTS
+    ) -> Eagle3Drafter:
+        """Load a checkpoint's tensors, named as vLLM, TorchSpec, speculators or EAGLE-3 save them, cast to
+        this module's dtype; returns self. A checkpoint without its embedding takes `embed_weight` (the
+        target's). CheckpointError naming `where` when d2t and t2d disagree or the embedding is missing;
+        names and shapes are checked before (formats.inspect_checkpoint), here load_state_dict is strict."""
+        spec = self.spec
+        full = spec.draft_vocab_size == spec.vocab_size
+        state = module_weights(weights, full)  # `midlayer.` -> `layers.0.`, what the module does not use dropped
+        ids = draft_ids(weights.get("d2t"), weights.get("t2d"), spec.vocab_size, spec.draft_vocab_size, where)
+        if ids is not None and not full:
+            state["d2t"] = ids - torch.arange(spec.draft_vocab_size)  # int64 whatever the file's dtype
+        elif ids is not None:
+            # a reordered full vocabulary: put lm_head's rows in target order, which needs no d2t
+            head = state["lm_head.weight"]
+            state["lm_head.weight"] = torch.empty_like(head).index_copy_(0, ids, head)
+        if "embed_tokens.weight" not in state:
+            state["embed_tokens.weight"] = target_embedding(embed_weight, spec.vocab_size, spec.hidden_size, where)
+        self.load_state_dict(state, strict=True)  # casts bf16 / fp16 weights to the module's dtype
+        return self
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds, under the names vLLM loads: weights in float32 and, with a pruned
+        vocabulary, d2t (int64 [V_draft]) and t2d (bool [V]; speculators reads it, vLLM skips it)."""
+        state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.state_dict().items()}
+        if "d2t" in state:
+            state["d2t"] = self.d2t.detach().to(torch.int64).contiguous()
+            state["t2d"] = self.target_mask()
+        # vLLM builds a hidden_norm in every layer and loads strictly; only layer 0's is used
+        for i in range(1, self.spec.num_layers):
+            state[f"layers.{i}.hidden_norm.weight"] = torch.ones(self.spec.hidden_size)
+        return state
