@@ -14,8 +14,9 @@ Parameter names follow vLLM's `llama_eagle3.py` / TorchSpec's checkpoints (`fc.w
 `fc_norm.{i}.weight`, `layers.0.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`), so the
 state dict exports without renaming. Attention goes through a cache object that decides what a
 query may see: `KVCache` for decoding (all earlier positions), `TTTCache` for the TTT unroll (the causal
-context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train), the dense
-reference of what training's fast path computes and what the probes read.
+context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train). Training
+does not run `TTTCache`: it is the dense reference that training's fast path is held to, and the dense
+unroll of the probe that shuffles the feedback between steps.
 
 This file is the reference, one drafting step at a time over dense tensors. Training's fast path (the
 whole TTT unroll over rows, with a fused attention kernel per device) lives beside it in
@@ -163,8 +164,8 @@ class TTTCache:
     """Training-time-test cache (TorchSpec/EAGLE): step 0 keys are causal over the sequence; the keys of
     later steps are only visible at their own position (the diagonal), because at position t step i stands
     for the i-th token drafted after t. This dense version keeps the whole [B, heads, T, T] attention: the
-    reference that training's row-wise fast path (lab/drafter/unroll.py) is held to, and the probes' dense
-    unroll."""
+    reference that training's row-wise fast path (lab/drafter/unroll.py, what training runs) is held to, and the
+    dense unroll of the feedback-shuffle probe (lab/eval/probes.py)."""
 
     def __init__(self, num_layers: int):
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
