@@ -4,7 +4,7 @@ below (Hydra merges the YAML groups under `configs/` onto them), with its type, 
 check raises; and the constants other modules check against.
 
 The config's other concerns live beside it, in the same lowest layer (they import nothing of `lab` but each
-other, tests/test_layers.py checks): lab/composition.py composes `configs/` with Hydra overrides into a
+other, so that every stage may import them): lab/composition.py composes `configs/` with Hydra overrides into a
 checked config (`compose`, its one-line override errors); lab/shape.py reads the target's shape from the
 config and a HF folder's config.json (`hf_config`, `target_shape`, `aux_layers`); lab/validation.py checks
 what only the whole config can tell (`validate`, `check_rules`); lab/identity.py says what a run is

@@ -1,8 +1,8 @@
 """The MLflow metric keys of runs and studies: one builder per family of keys, the only place they are spelt.
 
 Recorded runs, reports, sweep objectives and users' notebooks rely on these keys, so a key never changes
-once logged. docs/metrics.md's catalogue lists what every builder returns, and tests/test_metrics.py
-checks the two against each other. A `suite` is a suite's name or, for one of its variants,
+once logged. docs/metrics.md's catalogue lists what every builder returns: a builder changed here is changed
+there too. A `suite` is a suite's name or, for one of its variants,
 `suite_variant(suite, variant)`; a family whose members are a fixed list names them in a `Literal`, checked
 when the key is built. This module imports nothing of `lab` and nothing heavy: every layer may use it.
 """

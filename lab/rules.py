@@ -18,8 +18,8 @@ A field's rules are its metadata:
   work (lab/preflight.py `check_paths`, the CLI's path arguments), with `path_problem` for its kind (a file, a
   folder, an output that may be missing) and a reader of its content (`PathRule.reads`), each in one line.
 
-A null value keeps every rule. This module imports nothing of `lab` (tests/test_layers.py checks), so that
-both schemas use it.
+A null value keeps every rule. This module imports nothing of `lab`, so that both schemas (the config's and
+the spec files') can use it.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ class PathRule:
     key of PATH_READS), `when` it is read (sibling keys' values, e.g. {"kind": "hf"} for target.path; `!X`: a
     value that does not start with X), the `prefix` of a value before its path (tracking.uri's `sqlite:///`; a
     value without it, or any other URL, names no file here), the `verb` that reads it (`run`: a run and every
-    study's trials; tests/test_fuzz_input.py tries it there) and the words `what` it is (else the kind's and the
-    reads')."""
+    study's trials, so the run's preflight checks it before any work) and the words `what` it is (else the
+    kind's and the reads')."""
 
     kind: str
     reads: str = ""
@@ -193,7 +193,7 @@ def checked(
     """A dataclass field whose value (once its type is right, and unless null) also keeps its rules: `bounds`
     (`min`, `above`, `max`, `nonempty`, `distinct`, `pair`), `check`, the words `expected`, and `path`: it names a
     file or folder (a PATH_KINDS name, a `PathRule`, or several of them; see the module's docstring). The rules
-    are the schema's own, so that tests/test_fuzz_input.py and the errors read them from there."""
+    are the schema's own, one place that the errors and every reader of the rules (the input fuzzer) share."""
     unknown = sorted(set(bounds) - set(BOUNDS))
     if unknown:
         raise TypeError(f"unknown rules {unknown}; known: {', '.join(BOUNDS)}")

@@ -71,12 +71,18 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
     }
 
 
+def vllm_default_aux_layers(num_layers: int) -> list[int]:
+    """The layers vLLM captures for a drafter that names none, (2, L//2, L-3) in vLLM's ids (EAGLE-3's and
+    TorchSpec's default too). Not checked: on a shallow target the ids collide or run below 0."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """vLLM's and EAGLE-3's default (2, L//2, L-3) where its ids are distinct; on shallow targets, where they
     collide, a low, middle and high layer (1, L//2, L-1)."""
     if num_layers < 3:
         raise ConfigError("target.num_layers", f"at least 3 layers needed to capture 3 aux layers, got {num_layers}")
-    vllm = [2, num_layers // 2, num_layers - 3]
+    vllm = vllm_default_aux_layers(num_layers)
     return vllm if vllm == sorted(set(vllm)) else sorted({1, num_layers // 2, num_layers - 1})
 
 

@@ -27,7 +27,7 @@ from lab.drafter import (
     save_native,
     save_speculators,
 )
-from lab.drafter.formats import MANIFEST, WEIGHTS, target_mask
+from lab.drafter.formats import MANIFEST, WEIGHTS
 from lab.drafter.imported import resolve
 from lab.eval.reference import DecodeStats, speculative_decode
 from lab.shape import aux_layers
@@ -67,7 +67,7 @@ def assert_maps_back(drafter: Eagle3Drafter, ids: torch.Tensor) -> None:
     assert torch.equal(drafter.to_target_ids(torch.arange(n)), ids)
     draft = torch.randint(0, n, (3, 7), generator=torch.Generator().manual_seed(0))
     assert torch.equal(drafter.to_target_ids(draft), ids[draft])
-    t2d = target_mask(drafter)
+    t2d = drafter.target_mask()
     assert t2d.dtype == torch.bool and t2d.shape == (vocab,) and int(t2d.sum()) == n
     assert torch.equal(t2d.nonzero().squeeze(-1), ids)
     # the inverse map speculators reads off t2d: a target id's draft id is its rank among the marked ids
@@ -96,7 +96,7 @@ def test_mapping_survives_both_formats(tmp_path, counts, pruned, fmt):
     assert config["draft_vocab_size"] == DRAFT_VOCAB
     weights = load_file(str(folder / WEIGHTS))
     assert weights["d2t"].dtype == torch.int64 and torch.equal(weights["d2t"], ids - torch.arange(DRAFT_VOCAB))
-    assert weights["t2d"].dtype == torch.bool and torch.equal(weights["t2d"], target_mask(pruned))
+    assert weights["t2d"].dtype == torch.bool and torch.equal(weights["t2d"], pruned.target_mask())
     assert inspect_checkpoint(folder).spec.draft_vocab_size == DRAFT_VOCAB
     back = load_checkpoint(folder)
     assert back.spec == pruned.spec

@@ -12,7 +12,7 @@ conversation in order, of its chunk or the next. So the engine's batch stays ful
 in waves over the turn index, chunk by chunk: each chunk ended in small waves, 53 % of the time for 28 % of
 the tokens on the medium study's ShareGPT chunks.) Which conversations share a batch step depends only on the
 conversations and what is already cached, never on timing; in float32 the answers equal unbatched greedy
-decoding (tests/test_regenerate.py), in bfloat16 batching can tip a near-tie either way.
+decoding, in bfloat16 batching can tip a near-tie either way.
 
 Cutting, so that no token is generated that the training sequence (`seq_len` tokens) would drop anyway:
 - a turn whose prompt already reaches `seq_len` tokens is not generated; the conversation ends before it,

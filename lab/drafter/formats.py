@@ -13,6 +13,10 @@ needs to rebuild the module exactly (the norm type) lives under `lab`, which oth
 are read as safetensors only (no pickle). A plain EAGLE-3 checkpoint (no 3.1 keys, `midlayer.*` weight
 names, no aux layer ids) loads too.
 
+This file translates configs (ours <-> vLLM's / speculators' config.json) and tells formats apart; the
+drafter maps the tensors itself (`Eagle3Drafter.load_weights` / `export_weights`, the name table in
+lab/drafter/weights.py), as vLLM's EAGLE-3 model does.
+
 Drafters trained elsewhere load into the same module (`checkpoint_format` says whose a folder is):
 TorchSpec's `tools/convert_to_hf.py` output (the native layout in bf16, `_torchspec_version`, `t2d` beside
 `d2t`) and speculators' (`verifier_*` weights, an all-zero `d2t` for an unpruned vocabulary, usually no
@@ -35,17 +39,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
+from lab.drafter.weights import CONFIG, WEIGHTS, CheckpointError, module_weights
 from lab.fsutil import mismatched_file, sha256_file, staged_output
+from lab.shape import vllm_default_aux_layers
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 MANIFEST = "lab_manifest.json"
 FORMATS = ("lab", "torchspec", "speculators", "eagle")
-
-
-class CheckpointError(ValueError):
-    """A drafter checkpoint that cannot be used as it is; str() is one line naming the file and what was
-    expected."""
 
 
 def native_config(spec: DrafterSpec) -> dict:
@@ -147,23 +146,8 @@ def spec_from_config(
         cfg = _native_from_speculators(cfg, where)
     _check_layer_type(cfg, where, "model_type")
     lab = cfg.get("lab", {})
-    eagle = cfg.get("eagle_config") or {}
-    if eagle.get("use_aux_hidden_state") is False:
-        raise CheckpointError(f"{where}: eagle_config.use_aux_hidden_state=false; expected an EAGLE-3 drafter (true)")
-    # vLLM reads norm_before_fc from eagle_config first
-    before_fc = bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc")))
-    if cfg.get("fc_norm") and before_fc:
-        raise CheckpointError(f"{where}: fc_norm and norm_before_fc are both true; expected at most one")
-    fc_norm = "per_layer" if cfg.get("fc_norm") else "concat" if before_fc else "none"
-    aux = _named_aux_layers(cfg)
-    if aux is None and aux_layers is not None:
-        aux = list(aux_layers)
-    if aux is None and target_num_layers is not None:
-        aux = [2, target_num_layers // 2, target_num_layers - 3]
-    if aux is None:
-        raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is required")
-    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and i >= 0 for i in aux):
-        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids: expected a list of layer ids, got {aux}")
+    fc_norm = _fc_norm(cfg, where)
+    aux = _aux_layer_ids(cfg, aux_layers, target_num_layers, where)
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if not cfg.get(k)]
     if missing:
         raise CheckpointError(f"{where}: no {', '.join(missing)}; expected a Llama-style EAGLE-3 drafter config")
@@ -189,6 +173,42 @@ def spec_from_config(
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         extra={k: v for k, v in lab.items() if k != "norm_type"},
     )
+    _check_sizes(spec, where)
+    return spec
+
+
+def _fc_norm(cfg: dict, where: str | Path) -> str:
+    """The spec's fc_norm from the config's two flags: `fc_norm` (EAGLE 3.1, per layer) or `norm_before_fc`
+    (one norm over the concatenation), at most one of them."""
+    eagle = cfg.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state") is False:
+        raise CheckpointError(f"{where}: eagle_config.use_aux_hidden_state=false; expected an EAGLE-3 drafter (true)")
+    # vLLM reads norm_before_fc from eagle_config first
+    before_fc = bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc")))
+    if cfg.get("fc_norm") and before_fc:
+        raise CheckpointError(f"{where}: fc_norm and norm_before_fc are both true; expected at most one")
+    return "per_layer" if cfg.get("fc_norm") else "concat" if before_fc else "none"
+
+
+def _aux_layer_ids(
+    cfg: dict, aux_layers: list[int] | None, target_num_layers: int | None, where: str | Path
+) -> list[int]:
+    """The captured layers the config names, else the caller's `aux_layers`, else vLLM's default for the
+    target; an error where none of the three is there."""
+    aux = _named_aux_layers(cfg)
+    if aux is None and aux_layers is not None:
+        aux = list(aux_layers)
+    if aux is None and target_num_layers is not None:
+        aux = vllm_default_aux_layers(target_num_layers)
+    if aux is None:
+        raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is required")
+    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and i >= 0 for i in aux):
+        raise CheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids: expected a list of layer ids, got {aux}")
+    return aux
+
+
+def _check_sizes(spec: DrafterSpec, where: str | Path) -> None:
+    """Sizes the module cannot be built from: a draft vocabulary beyond the target's, kv heads not dividing heads."""
     if spec.draft_vocab_size > spec.vocab_size:
         raise CheckpointError(
             f"{where}: draft_vocab_size {spec.draft_vocab_size} exceeds vocab_size {spec.vocab_size}; "
@@ -198,7 +218,6 @@ def spec_from_config(
         raise CheckpointError(
             f"{where}: num_key_value_heads {spec.num_kv_heads} does not divide num_attention_heads {spec.num_heads}"
         )
-    return spec
 
 
 def _named_aux_layers(cfg: dict) -> list[int] | None:
@@ -247,24 +266,6 @@ def _native_from_speculators(cfg: dict, where: str | Path = CONFIG) -> dict:
     return out
 
 
-def target_mask(drafter: Eagle3Drafter) -> torch.Tensor:
-    """t2d: a bool mask over the target vocabulary [vocab_size], True at the target ids of the draft vocabulary."""
-    mask = torch.zeros(drafter.spec.vocab_size, dtype=torch.bool)
-    mask[drafter.draft_token_ids().cpu()] = True
-    return mask
-
-
-def _weights(drafter: Eagle3Drafter) -> dict[str, torch.Tensor]:
-    state = {k: v.detach().to(torch.float32).contiguous() for k, v in drafter.state_dict().items()}
-    if "d2t" in state:
-        state["d2t"] = drafter.d2t.detach().to(torch.int64).contiguous()
-        state["t2d"] = target_mask(drafter)
-    # vLLM builds a hidden_norm in every layer and loads strictly; only layer 0's is used
-    for i in range(1, drafter.spec.num_layers):
-        state[f"layers.{i}.hidden_norm.weight"] = torch.ones(drafter.spec.hidden_size)
-    return state
-
-
 def _write(state: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     # staged, then published whole: a new or a checkpoint-only folder is replaced in one rename (a full disk or
@@ -297,12 +298,12 @@ def verify(path: str | Path) -> None:
 
 
 def save_native(drafter: Eagle3Drafter, out_dir: str | Path) -> Path:
-    return _write(_weights(drafter), native_config(drafter.spec), out_dir)
+    return _write(drafter.export_weights(), native_config(drafter.spec), out_dir)
 
 
 def save_speculators(drafter: Eagle3Drafter, out_dir: str | Path, verifier: str, num_speculative_tokens: int) -> Path:
     """The speculators format; `verifier` is the target's path (vLLM loads it from there)."""
-    return _write(_weights(drafter), speculators_config(drafter.spec, verifier, num_speculative_tokens), out_dir)
+    return _write(drafter.export_weights(), speculators_config(drafter.spec, verifier, num_speculative_tokens), out_dir)
 
 
 @dataclass
@@ -361,24 +362,6 @@ def checkpoint_format(path: str | Path) -> str:
     return _format(path, cfg, _header(path / WEIGHTS)[1])
 
 
-def _unused_hidden_norm(key: str) -> bool:
-    return key.startswith("layers.") and key.endswith(".hidden_norm.weight") and not key.startswith("layers.0.")
-
-
-def _dropped(key: str, spec: DrafterSpec) -> bool:
-    """Weights other trainers save that this drafter does not use: speculators' copy of the verifier's
-    head, the target-to-draft mask (checked against d2t on load; the module keeps d2t only, an export
-    rebuilds t2d from it), an identity d2t of an unpruned vocabulary, and the hidden_norm vLLM wants in
-    every layer."""
-    if key.startswith("verifier_") or key == "t2d" or _unused_hidden_norm(key):
-        return True
-    return key == "d2t" and spec.draft_vocab_size == spec.vocab_size
-
-
-def _canonical(key: str) -> str:
-    return key.replace("midlayer.", "layers.0.")  # EAGLE-3 / TorchSpec's internal name of layer 0
-
-
 def _describe(spec: DrafterSpec) -> str:
     return (
         f"{spec.num_layers} layer(s) of width {spec.hidden_size}, fc_norm={spec.fc_norm}, "
@@ -400,16 +383,16 @@ def inspect_checkpoint(
     named = _named_aux_layers(cfg) is not None
     with torch.device("meta"):  # the expected names and shapes, without allocating the weights
         expected = {k: list(v.shape) for k, v in Eagle3Drafter(spec).state_dict().items()}
-    found = {_canonical(k): v for k, v in shapes.items() if not _dropped(_canonical(k), spec)}
+    found = module_weights(shapes, spec.draft_vocab_size == spec.vocab_size)  # under the module's names
     has_embedding = "embed_tokens.weight" in found
     file = path / WEIGHTS
     missing = [k for k in expected if k not in found and k != "embed_tokens.weight"]
     extra = [k for k in found if k not in expected]
     what = f"expected the weights of the drafter {CONFIG} describes ({_describe(spec)})"
     if missing:
-        raise CheckpointError(f"{file}: no {_some(missing)}; {what}")
+        raise CheckpointError(f"{file}: no {_first_four_and_count(missing)}; {what}")
     if extra:
-        raise CheckpointError(f"{file}: unexpected {_some(extra)}; {what}")
+        raise CheckpointError(f"{file}: unexpected {_first_four_and_count(extra)}; {what}")
     for k, shape in found.items():
         if shape != expected[k]:
             raise CheckpointError(f"{file}: {k} has shape {shape}, expected {expected[k]}; {what}")
@@ -423,7 +406,8 @@ def inspect_checkpoint(
     return CheckpointInfo(path, _format(path, cfg, metadata), spec, named, has_embedding)
 
 
-def _some(keys: list[str]) -> str:
+def _first_four_and_count(keys: list[str]) -> str:
+    """`a, b, c, d and 3 more`: an error line names a few weights, not a whole model's."""
     return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
@@ -440,65 +424,6 @@ def load_checkpoint(
     path = Path(path)
     _read_config(path)
     verify(path)
-    info = inspect_checkpoint(path, target_num_layers, aux_layers)
-    spec, file = info.spec, path / WEIGHTS
-    raw = load_file(str(file))
-    state = {_canonical(k): v for k, v in raw.items() if not _dropped(_canonical(k), spec)}
-    d2t, t2d = raw.get("d2t"), raw.get("t2d")
-    ids = None if d2t is None else _draft_ids(d2t, spec, file)
-    if t2d is not None:
-        _check_t2d(t2d, ids, spec, file)
-    if spec.draft_vocab_size < spec.vocab_size:
-        state["d2t"] = ids - torch.arange(spec.draft_vocab_size)
-    elif ids is not None:
-        # a reordered full vocabulary: put lm_head's rows in target order, which needs no d2t
-        state["lm_head.weight"] = torch.empty_like(state["lm_head.weight"]).index_copy_(0, ids, state["lm_head.weight"])
-    if not info.has_embedding:
-        if embed_weight is None:
-            raise CheckpointError(f"{file}: no embed_tokens.weight; pass the target's embedding")
-        want = [spec.vocab_size, spec.hidden_size]
-        if list(embed_weight.shape) != want:
-            raise CheckpointError(
-                f"{file}: no embed_tokens.weight, and the target's embedding is {list(embed_weight.shape)}; "
-                f"expected {want} (vocab_size x hidden_size of {CONFIG})"
-            )
-        state["embed_tokens.weight"] = embed_weight.detach().clone()
-    drafter = Eagle3Drafter(spec)
-    drafter.load_state_dict(state, strict=True)  # casts bf16 / fp16 weights to the module's float32
-    return drafter.eval()
-
-
-def _draft_ids(d2t: torch.Tensor, spec: DrafterSpec, file: Path) -> torch.Tensor:
-    """The target id of each draft id (target id = draft id + d2t[draft id]), checked to be distinct ids
-    of the target vocabulary."""
-    ids = torch.arange(spec.draft_vocab_size) + d2t.to(torch.long)
-    if ids.min() < 0 or ids.max() >= spec.vocab_size or ids.unique().numel() != ids.numel():
-        raise CheckpointError(
-            f"{file}: d2t maps draft ids onto ids outside the target vocabulary or onto one id twice; "
-            f"expected offsets to {spec.draft_vocab_size} distinct ids below {spec.vocab_size}"
-        )
-    return ids
-
-
-def _check_t2d(t2d: torch.Tensor, ids: torch.Tensor | None, spec: DrafterSpec, file: Path) -> None:
-    """t2d (shape already checked) marks exactly draft_vocab_size target ids, and where d2t is there too
-    exactly the ids it maps to: readers that use one of the two (vLLM d2t, speculators t2d) must see the
-    same draft vocabulary."""
-    if not ((t2d == 0) | (t2d == 1)).all():
-        raise CheckpointError(
-            f"{file}: t2d holds values other than 0 and 1 ({t2d.dtype}); "
-            "expected a bool mask over the target vocabulary"
-        )
-    mask = t2d.to(torch.bool)
-    marked = int(mask.sum())
-    if marked != spec.draft_vocab_size:
-        raise CheckpointError(
-            f"{file}: t2d marks {marked} target ids; expected {spec.draft_vocab_size} (draft_vocab_size of {CONFIG})"
-        )
-    if ids is not None and not bool(mask[ids].all()):
-        # ids are distinct and as many as t2d marks: all of them marked means the same set
-        first = int((~mask[ids]).nonzero()[0])
-        raise CheckpointError(
-            f"{file}: t2d disagrees with d2t (d2t maps draft id {first} to target id {int(ids[first])}, which t2d "
-            "does not mark); expected t2d True exactly at the target ids d2t maps to"
-        )
+    spec = inspect_checkpoint(path, target_num_layers, aux_layers).spec
+    file = path / WEIGHTS
+    return Eagle3Drafter(spec).load_weights(load_file(str(file)), embed_weight, where=file).eval()

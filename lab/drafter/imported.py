@@ -15,14 +15,9 @@ from omegaconf import DictConfig
 from lab.config import ConfigError, TargetKind
 from lab.drafter.formats import CheckpointError, CheckpointInfo, inspect_checkpoint
 from lab.drafter.model import DrafterSpec
-from lab.shape import target_shape
+from lab.shape import target_shape, vllm_default_aux_layers
 
 KEY = "drafter.checkpoint"
-
-
-def vllm_default_aux_layers(num_layers: int) -> list[int]:
-    """The layers vLLM captures for a drafter that names none (TorchSpec's default too, in vLLM's ids)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def resolve(

@@ -14,8 +14,9 @@ Parameter names follow vLLM's `llama_eagle3.py` / TorchSpec's checkpoints (`fc.w
 `fc_norm.{i}.weight`, `layers.0.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`), so the
 state dict exports without renaming. Attention goes through a cache object that decides what a
 query may see: `KVCache` for decoding (all earlier positions), `TTTCache` for the TTT unroll (the causal
-context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train), the dense
-reference of what training's fast path computes and what the probes read.
+context of step 0 plus this position's own earlier drafting steps, as TorchSpec/EAGLE train). Training
+does not run `TTTCache`: it is the dense reference that training's fast path is held to, and the dense
+unroll of the probe that shuffles the feedback between steps.
 
 This file is the reference, one drafting step at a time over dense tensors. Training's fast path (the
 whole TTT unroll over rows, with a fused attention kernel per device) lives beside it in
@@ -26,10 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lab.drafter.weights import WEIGHTS, draft_ids, module_weights, target_embedding
 
 
 @dataclass
@@ -160,8 +164,8 @@ class TTTCache:
     """Training-time-test cache (TorchSpec/EAGLE): step 0 keys are causal over the sequence; the keys of
     later steps are only visible at their own position (the diagonal), because at position t step i stands
     for the i-th token drafted after t. This dense version keeps the whole [B, heads, T, T] attention: the
-    reference that training's row-wise fast path (lab/drafter/unroll.py) is held to, and the probes' dense
-    unroll."""
+    reference that training's row-wise fast path (lab/drafter/unroll.py, what training runs) is held to, and the
+    dense unroll of the feedback-shuffle probe (lab/eval/probes.py)."""
 
     def __init__(self, num_layers: int):
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -305,6 +309,12 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if hasattr(self, "d2t") else draft_ids
 
+    def target_mask(self) -> torch.Tensor:
+        """t2d: a bool mask over the target vocabulary [vocab_size], True at the target ids of the draft vocabulary."""
+        mask = torch.zeros(self.spec.vocab_size, dtype=torch.bool)
+        mask[self.draft_token_ids().cpu()] = True
+        return mask
+
     def to_target_probs(self, draft_probs: torch.Tensor) -> torch.Tensor:
         """A distribution over the draft vocabulary [.., V_draft] as one over the target's [.., V]."""
         if not hasattr(self, "d2t"):
@@ -323,3 +333,42 @@ class Eagle3Drafter(nn.Module):
         for layer in self.layers:
             h = layer(embeds, h, cos, sin, cache)
         return h
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoint tensors <-> this state dict, as vLLM's model loads its own weights. The name table and
+    # the d2t / t2d checks live in lab/drafter/weights.py; the files and configs around them in
+    # lab/drafter/formats.py.
+
+    def load_weights(
+        self, weights: dict[str, torch.Tensor], embed_weight: torch.Tensor | None = None, where: str | Path = WEIGHTS
+    ) -> Eagle3Drafter:
+        """Load a checkpoint's tensors, named as vLLM, TorchSpec, speculators or EAGLE-3 save them, cast to
+        this module's dtype; returns self. A checkpoint without its embedding takes `embed_weight` (the
+        target's). CheckpointError naming `where` when d2t and t2d disagree or the embedding is missing;
+        names and shapes are checked before (formats.inspect_checkpoint), here load_state_dict is strict."""
+        spec = self.spec
+        full = spec.draft_vocab_size == spec.vocab_size
+        state = module_weights(weights, full)  # `midlayer.` -> `layers.0.`, what the module does not use dropped
+        ids = draft_ids(weights.get("d2t"), weights.get("t2d"), spec.vocab_size, spec.draft_vocab_size, where)
+        if ids is not None and not full:
+            state["d2t"] = ids - torch.arange(spec.draft_vocab_size)  # int64 whatever the file's dtype
+        elif ids is not None:
+            # a reordered full vocabulary: put lm_head's rows in target order, which needs no d2t
+            head = state["lm_head.weight"]
+            state["lm_head.weight"] = torch.empty_like(head).index_copy_(0, ids, head)
+        if "embed_tokens.weight" not in state:
+            state["embed_tokens.weight"] = target_embedding(embed_weight, spec.vocab_size, spec.hidden_size, where)
+        self.load_state_dict(state, strict=True)  # casts bf16 / fp16 weights to the module's dtype
+        return self
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint holds, under the names vLLM loads: weights in float32 and, with a pruned
+        vocabulary, d2t (int64 [V_draft]) and t2d (bool [V]; speculators reads it, vLLM skips it)."""
+        state = {k: v.detach().to(torch.float32).contiguous() for k, v in self.state_dict().items()}
+        if "d2t" in state:
+            state["d2t"] = self.d2t.detach().to(torch.int64).contiguous()
+            state["t2d"] = self.target_mask()
+        # vLLM builds a hidden_norm in every layer and loads strictly; only layer 0's is used
+        for i in range(1, self.spec.num_layers):
+            state[f"layers.{i}.hidden_norm.weight"] = torch.ones(self.spec.hidden_size)
+        return state

@@ -11,8 +11,8 @@ Which kernel computes the causal part is chosen in one place, `kernel_for`, from
 - CUDA: the memory-efficient attention (`_scaled_dot_product_efficient_attention`), the one fused CUDA kernel
   that takes an arbitrary additive mask and returns the log-sum-exp with a backward that accepts both;
 - anything else: `PORTABLE`, the same contract in plain tensor math (a [B, heads, n, T] score matrix).
-The three compute the same function; tests/test_ttt_attention.py checks the portable path and the joint
-math against the CPU kernel, forward and gradients, and the CUDA branch's glue under an emulation of its op.
+The three compute the same function, forward and gradients, so that what a run learns does not depend on
+the device it ran on beyond float rounding.
 """
 
 from __future__ import annotations

@@ -146,9 +146,9 @@ def shuffled_rollout_counts(
     permutation): the same distribution of values, none of them about its own position, so the accuracy a
     shuffle costs is what the drafter reads from that input. `features`: the target's captured states
     (every depth reads them, through step 0). `feedback`: the state fed to each later drafting step (depth 1
-    reads none and is unchanged), through a dense unroll (the reference model's `TTTCache.attend`, what
-    training's fast path computes over rows: [B, heads, T, T] attention per step, for analysis); None runs that
-    dense unroll unshuffled."""
+    reads none and is unchanged), shuffled between steps, which training's `unroll` runs inside one call: so
+    this unroll is the reference model's, step by step with `TTTCache` (the same function, with dense
+    [B, heads, T, T] attention per step); None runs that dense unroll unshuffled."""
     if shuffled not in (*SHUFFLED, None):
         raise ValueError(f"shuffled: unknown '{shuffled}'; allowed: {', '.join(SHUFFLED)}")
     b, t = input_ids.shape

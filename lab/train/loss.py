@@ -5,8 +5,8 @@ lm_head (TorchSpec's LazyTarget); the drafter is unrolled `ttt_length` steps (st
 features, later steps from its own feedback); step i's loss is the forward KL (soft cross-entropy) against the
 target at position t+i+1, weighted step_weight**i.
 
-Only what the loss reads is computed (the results equal the plain dense computation up to float rounding;
-tests/test_train.py checks it, tests/test_torchspec.py against TorchSpec): the target's distribution once per
+Only what the loss reads is computed (the results equal the plain dense computation, and TorchSpec's, up to
+float rounding): the target's distribution once per
 position the loss counts (every step shares it), the drafter's later steps only at the positions whose loss
 they feed, and lm_head with the cross-entropy chunked over those rows, its gradients formed chunk by chunk, so
 that no [B, T, V] tensor (nor [rows, V] for the backward) exists.
