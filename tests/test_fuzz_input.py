@@ -9,7 +9,7 @@ The surface is enumerated, not listed here, so that a new key or option is fuzze
 - options: every verb of `lab.cli.build_parser()` (its subparsers, walked; `VERB worker` where a subparser
   sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides;
 - files and folders: every config key with a `path` rule (lab/rules.py `PathRule`), every argument whose type
-  has one (lab/cli.py `_path`) and every override a verb takes as a file (`named_files`: `sweep=PATH`), each
+  has one (lab/cli/common.py `path_type`) and every override a verb takes as a file (`named_files`: `sweep=PATH`), each
   given the paths of its kind (`file_inputs`: missing, empty, binary, truncated, of the other kind, under a
   file, a symlink loop, a model or checkpoint folder with the right names and the wrong contents; for an
   output, those that apply, a path not there yet being good) in a folder of its own outside the store.
@@ -22,14 +22,15 @@ The cases are a fixed, seeded set: every key and option, and of the config keys'
 runs every pair); `test_the_surface_is_covered` prints how many cases a run generates.
 
 How a case is judged. It runs in process through `lab.cli.main`: the same parsing, composition, preflight,
-store reachability and verb checks as the command. Every verb calls `lab.cli.validated(verb)` once its checks
-have passed, right before its work starts; here that hook raises `Valid`, so a case that passes validation
-stops there and counts as running correctly. That is how long work is skipped: no run, study, target build,
-report, export or server is ever started (`test_every_verb_reaches_validated` checks that each verb's base
-case gets there, so a verb without the hook fails that test instead of starting work). Any other end must be
-exit code 2 and exactly one stderr line, `error: ...`, naming the key or option (or the spec file) and saying
-what is expected; a traceback, another exit code or a second line fails. A bad file case must end so (reaching
-`validated` fails it: its verb's work would start on it), a good one must reach `validated`, and neither may
+store reachability and verb checks as the command. Every verb does its work only once all its checks have
+passed; here the calls its work starts with (`WORK`) raise `Valid`, so a case that passes validation stops
+there and counts as running correctly. That is how long work is skipped: no run, study, target build, report,
+export or server is ever started (`test_every_verb_reaches_its_work` checks that `WORK` names every verb and
+that each verb's base case gets there, so a verb missing from it fails that test instead of starting work).
+Any other end must be exit code 2 and exactly one stderr line, `error: ...`, naming the key or option (or the
+spec file) and saying what is expected; a traceback, another exit code or a second line fails. A bad file case
+must end so (reaching its work fails it: its verb's work would start on it), a good one must reach its work,
+and neither may
 change anything in its folder (every file case runs; `LAB_FUZZ_FILES=N` runs a seeded N of them, every key
 and option at least once; `test_every_file_input_is_fuzzed` prints how many). A seeded sample of failing cases
 (and of failing file cases) runs again through the real `lab` command in subprocesses (exit 2, the same one
@@ -85,8 +86,9 @@ EXPECTS = re.compile(
 )
 
 
-class Valid(Exception):
-    """Raised by the replaced `lab.cli.validated`: the case passed every check."""
+class Valid(BaseException):
+    """Raised where a verb's work starts (`WORK`): the case passed every check. Not an Exception, which a verb
+    may catch around its work (`lab server` around preparing its store) and say as an error."""
 
 
 @dataclass
@@ -160,7 +162,7 @@ def verbs() -> dict[str, argparse.ArgumentParser]:
 
 
 # The base cases of the verbs that need more than the store's overrides (the first of each must be valid:
-# test_every_verb_reaches_validated); every other verb's base is the store's overrides alone.
+# test_every_verb_reaches_its_work); every other verb's base is the store's overrides alone.
 BASES: dict[str, list[list[str]]] = {
     "ablate": [["experiment=drift_2x2", STORE]],
     "sweep": [["sweep=tpe_eagle3", STORE]],
@@ -450,7 +452,7 @@ VERBS = verbs()
 # file for a folder, a path under a file, a symlink loop, and a folder with the right names and the wrong contents
 # (a target's, a drafter checkpoint's); an output gets the cases of an output, of which a path not there yet is
 # good. A bad one must be refused in one line naming the key or option before its verb's work (never reaching
-# `validated`), a good one must pass, and neither may change the case's folder.
+# `WORK`), a good one must pass, and neither may change the case's folder.
 
 JSONL_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 BINARY = b"\xff\xfe\x00\x81 not text \x00\xc3\x28" * 8
@@ -866,15 +868,42 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     return {"root": root, "run": run_id, "before": before, "specs": specs, "files": files}
 
 
+# The calls each verb's work starts with, once every check of the verb has passed: the `fuzz` fixture makes
+# them raise `Valid`, so that no case runs, builds, writes, serves or imports anything. Each is called by no
+# verb's checks (so a check cannot pass for a case by raising Valid).
+WORK: dict[str, list[str]] = {
+    "run": ["lab.pipeline.run"],
+    "ablate": ["lab.sweep.engine.launch"],
+    "ablate worker": ["lab.sweep.engine.join"],
+    "sweep": ["lab.sweep.engine.launch"],
+    "sweep worker": ["lab.sweep.engine.join"],
+    "target build": ["lab.pipeline.set_threads"],
+    "export": ["lab.drafter.save_native", "lab.drafter.save_speculators"],
+    "torchspec-config": ["lab.train.torchspec_config.write"],
+    "report": ["lab.report.write"],
+    "paper": ["lab.report.paper.measure"],
+    "doctor": ["lab.cli.doctor.describe"],
+    "ui": ["lab.track.ui_command"],
+    "server": ["lab.track.prepare_store"],
+    "dashboard": ["lab.sweep.dashboard.bind"],
+    "study export": ["lab.sweep.transfer.dump", "lab.track.transfer.export_study"],
+    "study import": ["lab.track.transfer.apply_import"],
+}
+
+
 @pytest.fixture
 def fuzz(store, capsys, monkeypatch) -> Fuzzer:
-    """A Fuzzer in the store's folder with `lab.cli.validated` raising `Valid`; afterwards every file of the
+    """A Fuzzer in the store's folder with every call of `WORK` raising `Valid`; afterwards every file of the
     store is as it was."""
 
-    def stop(verb: str) -> None:
-        raise Valid(verb)
+    def stopper(name: str) -> Callable[..., None]:
+        def stop(*args: Any, **kwargs: Any) -> None:
+            raise Valid(name)
 
-    monkeypatch.setattr(cli, "validated", stop)
+        return stop
+
+    for name in {n for names in WORK.values() for n in names}:
+        monkeypatch.setattr(name, stopper(name))
     monkeypatch.chdir(store["root"])
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # a wheel not in the cache cannot be downloaded
     yield Fuzzer(store["root"], store["specs"], store["run"], capsys, monkeypatch, store["files"])
@@ -884,8 +913,10 @@ def fuzz(store, capsys, monkeypatch) -> Fuzzer:
 # ------------------------------------------------------------------------------------------------ the tests
 
 
-def test_every_verb_reaches_validated(fuzz):
-    """The first base case of every verb passes validation (so every verb calls the hook before its work)."""
+def test_every_verb_reaches_its_work(fuzz):
+    """The first base case of every verb passes validation (it reaches its work, which `WORK` names for every
+    verb: a verb missing there would start its work here)."""
+    assert set(WORK) == set(VERBS), "name the call each verb's work starts with in WORK"
     for verb in VERBS:
         case = Case(verb, "base", base_argvs(verb)[0], ())
         outcome = fuzz.outcome(case)
@@ -926,7 +957,7 @@ def test_a_worker_count_above_the_cores_is_capped_unless_forced(fuzz, monkeypatc
         used.append(workers)
         raise Valid("server")
 
-    monkeypatch.setattr(cli, "validated", lambda verb: None)
+    monkeypatch.setattr(track, "prepare_store", lambda backend: None)  # the server's work, up to its command
     monkeypatch.setattr(engine, "launch", launched)
     monkeypatch.setattr(track, "server_command", served)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
