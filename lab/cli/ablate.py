@@ -4,6 +4,7 @@ both run on the sweep engine, resumable, with `worker` processes joining from el
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -21,6 +22,9 @@ from lab.cli.common import (
 from lab.composition import compose
 from lab.config import redact
 from lab.sweep.schema import MAX_TRIALS
+
+if TYPE_CHECKING:
+    from lab.sweep.spec import Sweep
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -112,7 +116,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _study_reachable(sweep, extra: list[str], every_point: bool = False) -> None:
+def _study_reachable(sweep: Sweep, extra: list[str], every_point: bool = False) -> None:
     """The first point of a study (with `every_point`: every point, its objectives and its budget, as the
     engine checks them) composes, its drafter.checkpoint fits and its store answers, before the engine is even
     imported."""
