@@ -1,6 +1,5 @@
 """`lab torchspec-config`: a TorchSpec training YAML and draft-model JSON for one arm; the arms TorchSpec cannot
-train refused in one line; the verb's former spelling `lab export torchspec-config` refused in one line naming
-it; checked against TorchSpec itself where it is installed."""
+train refused in one line; checked against TorchSpec itself where it is installed."""
 
 from __future__ import annotations
 
@@ -148,10 +147,8 @@ def test_arms_torchspec_cannot_train_are_refused_in_one_line(tmp_path, capsys, a
         (["torchspec-config", "--experiment", "drift_2x2", "--arm", "x"], "error: --arm: unknown arm 'x'"),
         (["export", "RUN_ID", "--data", "x.jsonl"], "error: --data x.jsonl: unrecognized"),
         (["export", "drafter=eagle31"], "error: SOURCE: 'drafter=eagle31' is an override"),
-        (["export", "torchspec-config", "drafter=eagle31"], "error: export torchspec-config: now a verb of its own"),
-        (["export", "--k", "3", "torchspec-config"], "error: export torchspec-config: now a verb of its own"),
     ],
-    ids=["format", "arm_alone", "unknown_arm", "data_for_a_run", "override_as_source", "old_verb", "old_verb_later"],
+    ids=["format", "arm_alone", "unknown_arm", "data_for_a_run", "override_as_source"],
 )
 def test_a_wrong_combination_is_one_line(tmp_path, capsys, argv, message):
     try:
@@ -161,8 +158,6 @@ def test_a_wrong_combination_is_one_line(tmp_path, capsys, argv, message):
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
-    if "now a verb" in message:
-        assert "`lab torchspec-config [overrides] --out DIR" in err
 
 
 def test_exporting_a_trained_drafter_still_works(tmp_path, capsys):

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from fuzz.oracle import Fuzzer, Valid, tree
 from fuzz.surface import CONFIG_KEYS, SEED, STORE, VERBS, Case, base_argvs, seeded_rng
 from test_bad_input import _overrides, recorded, snapshot  # noqa: F401  (recorded: a fixture)
 
-from lab import cli, track
+from lab import track
 from lab.composition import compose
 from lab.rules import strip_optional
 from lab.sweep import experiment
@@ -71,15 +72,42 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     return {"root": root, "run": run_id, "before": before, "specs": specs, "files": files}
 
 
+# The calls each verb's work starts with, once every check of the verb has passed: the `fuzz` fixture makes
+# them raise `Valid`, so that no case runs, builds, writes, serves or imports anything. Each is called by no
+# verb's checks (so a check cannot pass for a case by raising Valid).
+WORK: dict[str, list[str]] = {
+    "run": ["lab.pipeline.run"],
+    "ablate": ["lab.sweep.engine.launch"],
+    "ablate worker": ["lab.sweep.engine.join"],
+    "sweep": ["lab.sweep.engine.launch"],
+    "sweep worker": ["lab.sweep.engine.join"],
+    "target build": ["lab.pipeline.set_threads"],
+    "export": ["lab.drafter.save_native", "lab.drafter.save_speculators"],
+    "torchspec-config": ["lab.train.torchspec_config.write"],
+    "report": ["lab.report.write"],
+    "paper": ["lab.report.paper.measure"],
+    "doctor": ["lab.cli.doctor.describe"],
+    "ui": ["lab.track.ui_command"],
+    "server": ["lab.track.prepare_store"],
+    "dashboard": ["lab.sweep.dashboard.bind"],
+    "study export": ["lab.sweep.transfer.dump", "lab.track.transfer.export_study"],
+    "study import": ["lab.track.transfer.apply_import"],
+}
+
+
 @pytest.fixture
 def fuzz(store, capsys, monkeypatch) -> Fuzzer:
-    """A Fuzzer in the store's folder with `lab.cli.validated` raising `Valid`; afterwards every file of the
+    """A Fuzzer in the store's folder with every call of `WORK` raising `Valid`; afterwards every file of the
     store is as it was."""
 
-    def stop(verb: str) -> None:
-        raise Valid(verb)
+    def stopper(name: str) -> Callable[..., None]:
+        def stop(*args: Any, **kwargs: Any) -> None:
+            raise Valid(name)
 
-    monkeypatch.setattr(cli, "validated", stop)
+        return stop
+
+    for name in {n for names in WORK.values() for n in names}:
+        monkeypatch.setattr(name, stopper(name))
     monkeypatch.chdir(store["root"])
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # a wheel not in the cache cannot be downloaded
     overrides = _overrides(store["root"])
@@ -90,8 +118,10 @@ def fuzz(store, capsys, monkeypatch) -> Fuzzer:
 # ------------------------------------------------------------------------------------------------ the tests
 
 
-def test_every_verb_reaches_validated(fuzz):
-    """The first base case of every verb passes validation (so every verb calls the hook before its work)."""
+def test_every_verb_reaches_its_work(fuzz):
+    """The first base case of every verb passes validation (it reaches its work, which `WORK` names for every
+    verb: a verb missing there would start its work here)."""
+    assert set(WORK) == set(VERBS), "name the call each verb's work starts with in WORK"
     for verb in VERBS:
         case = Case(verb, "base", base_argvs(verb)[0], ())
         outcome = fuzz.outcome(case)
@@ -132,7 +162,7 @@ def test_a_worker_count_above_the_cores_is_capped_unless_forced(fuzz, monkeypatc
         used.append(workers)
         raise Valid("server")
 
-    monkeypatch.setattr(cli, "validated", lambda verb: None)
+    monkeypatch.setattr(track, "prepare_store", lambda backend: None)  # the server's work, up to its command
     monkeypatch.setattr(engine, "launch", launched)
     monkeypatch.setattr(track, "server_command", served)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)

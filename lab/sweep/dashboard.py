@@ -17,10 +17,10 @@ from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from lab.composition import compose
 from lab.config import OPTUNA_DB_PREFIXES, ConfigError, redact
 from lab.sweep import optuna_adapter as adapter
-from lab.sweep.spec import Sweep, blame
+from lab.sweep.find import first_point
+from lab.sweep.spec import Sweep
 
 if TYPE_CHECKING:
     import optuna
@@ -123,9 +123,4 @@ def study_storage(sweep: Sweep, extra: list[str]) -> str:
     tracking.optuna_storage, or the journal file beside the MLflow database."""
     from lab.sweep.storage import storage_url  # imports MLflow (a second): only once the spec has loaded
 
-    base = sweep.base_point()
-    try:
-        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
-    except ConfigError as exc:
-        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
-    return storage_url(cfg)
+    return storage_url(first_point(sweep, extra))

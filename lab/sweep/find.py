@@ -1,13 +1,14 @@
 """Finding a study and its parts from what a command names: the sweep or experiment that `sweep=NAME` /
-`experiment=NAME` picks and its first point composed (`study_spec`; `dashboard_study` for `lab dashboard`), the
-parent run `--run` names (`parent_of`), the seeds `--seeds` asks for among those recorded (`seeds_found`), and
-one arm of an experiment composed as `lab ablate` composes it (`experiment_arm`). Each raises ConfigError naming
-the option or key and what is there to choose from. MLflow (lab.track) is imported only by the look-ups that
-read a store.
+`experiment=NAME` picks and its first point composed (`first_point`, `study_spec`; `dashboard_study` for
+`lab dashboard`), the parent run `--run` names (`parent_of`), the seeds `--seeds` asks for among those recorded
+(`seeds_found`), and one arm of an experiment composed as `lab ablate` composes it (`experiment_arm`). Each
+raises ConfigError naming the option or key and what is there to choose from. MLflow (lab.track) is imported
+only by the look-ups that read a store.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig
@@ -20,12 +21,25 @@ from lab.sweep.spec import Sweep, blame
 STUDY_KINDS = ("sweep", "experiment")  # `sweep=NAME` / `experiment=NAME`
 
 
-def named_study(overrides: list[str]) -> tuple[dict[str, list[str]], list[str]]:
-    """The names given as `sweep=NAME` and `experiment=NAME` (each a list: the last one counts), and the other
-    overrides."""
-    named = {key: [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")] for key in STUDY_KINDS}
-    extra = [o for o in overrides if not o.startswith(tuple(f"{key}=" for key in STUDY_KINDS))]
+def named_study(overrides: list[str], kinds: tuple[str, ...] = STUDY_KINDS) -> tuple[dict[str, list[str]], list[str]]:
+    """The names given as `sweep=NAME` and `experiment=NAME` (or as `KIND=NAME` of the `kinds` given; each a
+    list: the last one counts), and the other overrides."""
+    named = {key: [o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}=")] for key in kinds}
+    extra = [o for o in overrides if not o.startswith(tuple(f"{key}=" for key in kinds))]
     return named, extra
+
+
+def first_point(sweep: Sweep, extra: list[str], check: Callable[[DictConfig], None] | None = None) -> DictConfig:
+    """The study's first point composed as its first trial is (and passed through `check`, where given): what
+    says where its runs are tracked and its Optuna study is stored. A ConfigError is said of that point (`blame`)."""
+    base = sweep.base_point()
+    try:
+        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
+        if check is not None:
+            check(cfg)
+    except ConfigError as exc:
+        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
+    return cfg
 
 
 def study_spec(overrides: list[str], seeds: str | None, verb: str) -> tuple[Sweep, str, list[str], DictConfig]:
@@ -47,12 +61,7 @@ def study_spec(overrides: list[str], seeds: str | None, verb: str) -> tuple[Swee
         sweep, kind = spec.load(named["sweep"][-1]), "sweep"
     else:
         sweep, kind = experiment.load(named["experiment"][-1], seeds_arg=seeds).as_sweep(extra), "experiment"
-    base = sweep.base_point()
-    try:
-        cfg = compose(sweep.trial_overrides(base, sweep.seeds[0], extra))
-    except ConfigError as exc:
-        raise blame(exc, f"{sweep.source} point '{sweep.label(base)}'", extra) from None
-    return sweep, kind, extra, cfg
+    return sweep, kind, extra, first_point(sweep, extra)
 
 
 def dashboard_study(
@@ -84,29 +93,31 @@ def dashboard_study(
     return None, "", extra
 
 
-def parent_of(exp: experiment.Experiment, uri: str, run_id: str, extra: list[str]) -> str:
-    """`--run RUN_ID`, once it is the parent run of a study of the experiment (not a child run, nor another
-    study's): a run that is not would make an empty report."""
+def parent_of(sweep: Sweep, kind: str, uri: str, run_id: str) -> str:
+    """`--run RUN_ID`, once it is the parent run of a study of the sweep (an experiment's as a grid study;
+    `kind`: "experiment" or "sweep"), not a child run nor another study's: a run that is not would make an
+    empty report or archive."""
     from lab import track
 
-    sweep = exp.as_sweep(extra)
-    parents = track.study_parents(uri, sweep.experiment, exp.name)
+    parents = track.study_parents(uri, sweep.experiment, sweep.name)
     if any(p.info.run_id == run_id for p in parents):
         return run_id
     try:
         track.get_run(uri, run_id)
     except ValueError as exc:
-        raise ConfigError("--run", f"{exc}; expected {_parents_said(exp, parents)}") from None
+        raise ConfigError("--run", f"{exc}; expected {_parents_said(sweep, kind, parents)}") from None
     raise ConfigError(
         "--run",
-        f"run '{run_id}' is not the parent run of a study of {exp.name}; expected {_parents_said(exp, parents)}",
+        f"run '{run_id}' is not the parent run of a study of {sweep.name}; "
+        f"expected {_parents_said(sweep, kind, parents)}",
     )
 
 
-def _parents_said(exp: experiment.Experiment, parents: list[Any]) -> str:
+def _parents_said(sweep: Sweep, kind: str, parents: list[Any]) -> str:
     if not parents:
+        verb = "ablate" if kind == "experiment" else "sweep"
         return (
-            f"the parent run of a study of {exp.name}, and the store has none (run `lab ablate experiment={exp.name}`)"
+            f"the parent run of a study of {sweep.name}, and the store has none (run `lab {verb} {kind}={sweep.name}`)"
         )
     shown = ", ".join(f"{p.info.run_id} ({p.data.tags.get('optuna_study', '?')})" for p in parents[:5])
     return f"one of the parent runs of its studies: {shown}" + (

@@ -14,7 +14,7 @@ The surface is enumerated, not listed, so that a new key or option is fuzzed wit
 - options: every verb of `lab.cli.build_parser()` (its subparsers, walked; `VERB worker` where a subparser
   sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides;
 - files and folders: every config key with a `path` rule (lab/rules.py `PathRule`), every argument whose type
-  has one (lab/cli.py `_path`) and every override a verb takes as a file (`named_files`: `sweep=PATH`), each
+  has one (lab/cli/common.py `path_type`) and every override a verb takes as a file (`named_files`: `sweep=PATH`), each
   given the paths of its kind (`file_inputs`: missing, empty, binary, truncated, of the other kind, under a
   file, a symlink loop, a model or checkpoint folder with the right names and the wrong contents; for an
   output, those that apply, a path not there yet being good) in a folder of its own outside the store.
@@ -27,14 +27,15 @@ The cases are a fixed, seeded set: every key and option, and of the config keys'
 runs every pair); `test_the_surface_is_covered` prints how many cases a run generates.
 
 How a case is judged. It runs in process through `lab.cli.main`: the same parsing, composition, preflight,
-store reachability and verb checks as the command. Every verb calls `lab.cli.validated(verb)` once its checks
-have passed, right before its work starts; here that hook raises `Valid`, so a case that passes validation
-stops there and counts as running correctly. That is how long work is skipped: no run, study, target build,
-report, export or server is ever started (`test_every_verb_reaches_validated` checks that each verb's base
-case gets there, so a verb without the hook fails that test instead of starting work). Any other end must be
-exit code 2 and exactly one stderr line, `error: ...`, naming the key or option (or the spec file) and saying
-what is expected; a traceback, another exit code or a second line fails. A bad file case must end so (reaching
-`validated` fails it: its verb's work would start on it), a good one must reach `validated`, and neither may
+store reachability and verb checks as the command. Every verb does its work only once all its checks have
+passed; here the calls its work starts with (`WORK` in tests/test_fuzz_input.py) raise `Valid`, so a case that
+passes validation stops there and counts as running correctly. That is how long work is skipped: no run, study,
+target build, report, export or server is ever started (`test_every_verb_reaches_its_work` checks that `WORK`
+names every verb and that each verb's base case gets there, so a verb missing from it fails that test instead
+of starting work). Any other end must be exit code 2 and exactly one stderr line, `error: ...`, naming the key
+or option (or the spec file) and saying what is expected; a traceback, another exit code or a second line
+fails. A bad file case must end so (reaching its work fails it: its verb's work would start on it), a good one
+must reach its work, and neither may
 change anything in its folder (every file case runs; `LAB_FUZZ_FILES=N` runs a seeded N of them, every key
 and option at least once; `test_every_file_input_is_fuzzed` prints how many). A seeded sample of failing cases
 (and of failing file cases) runs again through the real `lab` command in subprocesses (exit 2, the same one

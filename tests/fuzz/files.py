@@ -1,10 +1,10 @@
 """Every config key, option and override that names a file or folder says so in the schema or the parser: a field's
-`path` rules (lab/config.py, `checked(..., path=...)`), an option's type (lab/cli.py `_path(...)`, its `path`
+`path` rules (lab/config.py, `checked(..., path=...)`), an option's type (lab/cli/common.py `path_type(...)`, its `path`
 attribute) and a verb's `named_files` (`sweep=PATH`). Each rule gets the paths of its kind (`file_inputs`): a
 missing path, an empty file, binary content, a truncated file in the format it reads, a folder for a file and a file
 for a folder, a path under a file, a symlink loop, and a folder with the right names and the wrong contents (a
 target's, a drafter checkpoint's); an output gets the cases of an output, of which a path not there yet is good. A
-bad one must be refused in one line naming the key or option before its verb's work (never reaching `validated`), a
+bad one must be refused in one line naming the key or option before its verb's work (never reaching its work), a
 good one must pass, and neither may change the case's folder."""
 
 from __future__ import annotations

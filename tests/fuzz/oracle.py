@@ -1,5 +1,5 @@
-"""How a case is judged: it runs in process through `lab.cli.main`, where `lab.cli.validated` raises `Valid`;
-any other end must be exit 2 and one line `error: ...` naming the key or option and what is expected
+"""How a case is judged: it runs in process through `lab.cli.main`, where the calls a verb's work starts with
+raise `Valid`; any other end must be exit 2 and one line `error: ...` naming the key or option and what is expected
 (`problem`), and a file case must also leave its folder as it was (`file_problem`)."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ EXPECTS = re.compile(
 
 
 
-class Valid(Exception):
-    """Raised by the replaced `lab.cli.validated`: the case passed every check."""
+class Valid(BaseException):
+    """Raised where a verb's work starts (`WORK`): the case passed every check. Not an Exception, which a verb
+    may catch around its work (`lab server` around preparing its store) and say as an error."""
 
 
 @dataclass

@@ -92,7 +92,7 @@ def verbs() -> dict[str, argparse.ArgumentParser]:
 
 
 # The base cases of the verbs that need more than the store's overrides (the first of each must be valid:
-# test_every_verb_reaches_validated); every other verb's base is the store's overrides alone.
+# test_every_verb_reaches_its_work); every other verb's base is the store's overrides alone.
 BASES: dict[str, list[list[str]]] = {
     "ablate": [["experiment=drift_2x2", STORE]],
     "sweep": [["sweep=tpe_eagle3", STORE]],

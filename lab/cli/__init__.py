@@ -1,0 +1,91 @@
+"""`lab` command line. Verbs take Hydra overrides: `lab run drafter=eagle31 train.ttt_length=5`.
+
+lab/cli/registry.py names every verb, its module and its summary; `build_parser` lists them all and imports the
+modules of the verbs a command line names (lab/cli/common.py `Verb`: the handler, `cmd_*`, its arguments and
+help), and `main` dispatches to the handler. A handler checks everything first (composing, lab/preflight.py,
+the store), then does its work; finding a study and its parts is lab/sweep/find.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+from lab.cli.common import Parser, Texts, Verb, check_path_args, described, fail
+from lab.cli.registry import COMMANDS, EPILOG, Command, named_in, studies
+from lab.config import ConfigError
+
+
+def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `lab` parser: every verb of the registry listed, and the arguments and help texts of those `words`
+    names (None: of every verb, for the tests that walk the parser)."""
+    texts = studies()
+    loaded = set(COMMANDS if words is None else named_in(words))
+    parser = Parser(
+        prog="lab",
+        description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG.format(**texts),
+    )
+    groups: dict[str, argparse._SubParsersAction] = {"": parser.add_subparsers(dest="verb", required=True)}
+    for name, command in COMMANDS.items():
+        group, _, verb = name.rpartition(" ")
+        target = _load(command) if name in loaded and command.module is not None else None
+        sub = groups[group].add_parser(
+            verb, help=command.summary, formatter_class=argparse.RawDescriptionHelpFormatter, **_texts(target, texts)
+        )
+        if command.attr is None:  # a group: its verbs follow it in COMMANDS
+            groups[name] = sub.add_subparsers(dest=f"{name}_verb", required=True)
+        elif isinstance(target, Verb):
+            _add_arguments(sub, target)
+    return parser
+
+
+def _load(command: Command) -> Verb | ModuleType:
+    """The verb's `Verb`, or the group's module, imported now."""
+    module = importlib.import_module(command.module)
+    return module if command.attr is None else getattr(module, command.attr)
+
+
+def _texts(target: Verb | ModuleType | None, texts: Texts) -> dict[str, str | None]:
+    """The usage, description and epilog of a loaded verb or group (a group's: its module's docstring and
+    EPILOG); none of an unloaded one, whose help no command line asks for."""
+    if target is None:
+        return {}
+    if isinstance(target, Verb):
+        epilog = target.epilog(texts) if callable(target.epilog) else target.epilog
+        return {"usage": target.usage, "description": target.description, "epilog": epilog}
+    return {"description": described(target.__doc__), "epilog": getattr(target, "EPILOG", None)}
+
+
+def _add_arguments(parser: argparse.ArgumentParser, verb: Verb) -> None:
+    verb.arguments(parser)
+    parser.set_defaults(handler=verb.handler)
+    paths = [(a.dest, (a.option_strings or [a.metavar or a.dest.upper()])[-1], a.type.path) for a in parser._actions
+             if getattr(a.type, "path", ())]  # fmt: skip
+    if paths:
+        parser.set_defaults(path_args=tuple(paths))  # checked by main before the verb runs
+    if verb.takes_worker:
+        parser.set_defaults(takes_worker=True)  # `lab VERB worker ...` joins a running study
+    if verb.named_files:
+        parser.set_defaults(named_files=dict(verb.named_files))
+
+
+def main(argv: list[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(words)
+    args, extra = parser.parse_known_args(words)
+    # Hydra overrides may also follow options (`lab export RUN --out DIR tracking.uri=...`)
+    if any("=" not in e or e.startswith("-") for e in extra) or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    try:
+        check_path_args(args)
+        return args.handler(args)
+    except ConfigError as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)

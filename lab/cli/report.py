@@ -1,0 +1,141 @@
+"""`lab report` (an experiment's study as tables, figures and report.md) and `lab paper` (the paper's claims
+beside the studies): both from MLflow alone, nothing rerun."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from lab.cli.common import Verb, named, path_type, reachable
+from lab.composition import compose
+from lab.config import ConfigError, redact
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """tables and figures of an experiment's study, from MLflow alone, into reports/NAME/
+
+    Regenerate the report of `lab ablate experiment=NAME` from MLflow alone (nothing is rerun, no cache is
+    read): tables as Markdown, LaTeX and CSV (AL per arm x suite x k, each arm's ratio to the baseline arm with a
+    95 % paired bootstrap interval over seeds and prompts, per-position acceptance, rollout accuracy, drift),
+    figures as PNG and PDF, and report.md with the provenance. The study is the one the same overrides ran (else
+    the newest, said so).
+    """
+    from lab import report
+    from lab.sweep import experiment, find
+
+    name, extra = named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
+    exp = experiment.load(name, seeds_arg=args.seeds)
+    uri = reachable(compose([*exp.overrides, *extra]).tracking.uri)
+    notes = []  # said once every check has passed: an error is the command's one line
+    sweep = exp.as_sweep(extra)
+    if args.run is not None:
+        parent = find.parent_of(sweep, "experiment", uri, args.run)
+    else:
+        parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
+        notes.append(note)
+    study = load_study(exp, uri, parent, exp.seeds if args.seeds is not None else None)
+    if args.seeds is not None:
+        notes.append(find.seeds_found(study, exp.seeds))
+    for note in filter(None, notes):
+        print(f"note: {note}", file=sys.stderr)
+    rep = write_report(exp, extra, study, args.out, args.seeds)
+    print(rep.main_table())
+    for t in rep.tables:
+        print(f"table  {rep.folder / 'tables' / t.name}.{{md,tex,csv}}")
+    for f in rep.figures:
+        print(f"figure {f.files[0].with_suffix('')}.{{png,pdf}}")
+    print(f"report: {rep.path} (parent run {parent}; also its `report/` artifacts in `lab ui`)")
+    return 0
+
+
+def cmd_paper(args: argparse.Namespace) -> int:
+    """the paper's claims beside the studies of a profile, from MLflow alone, into one Markdown page
+
+    For each claim of the EAGLE 3.1 paper (AL on standard benchmarks, long context and perturbed templates,
+    extrapolation beyond the TTT depth, norm growth, attention on the sink and on the drafter's own tokens): the
+    ratio EAGLE 3.1 / EAGLE-3 from the study of the experiment that measures it (run with the same overrides),
+    with its 95 % paired bootstrap interval, the verdict its interval gives (agrees, disagrees, inconclusive),
+    the training budget behind it and the run ids. A study not run yet is named as such. Nothing is rerun.
+    """
+    from lab.report import find_parent, paper
+    from lab.sweep import experiment
+
+    extra = list(args.overrides)
+    cfg = compose(extra)
+    uri = reachable(cfg.tracking.uri)
+    studies: dict[str, tuple] = {}  # experiment -> (its study or None, how it was found)
+    for claim in paper.CLAIMS:
+        if claim.experiment in studies:
+            continue
+        exp = experiment.load(claim.experiment)
+        sweep = exp.as_sweep(extra)
+        try:
+            parent, note = find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
+        except ConfigError:  # no study of it in the store: the page says so
+            studies[claim.experiment] = (None, "")
+            continue
+        studies[claim.experiment] = (load_study(exp, uri, parent), note)
+    findings = [paper.measure(claim, *studies[claim.experiment]) for claim in paper.CLAIMS]
+    out = Path(args.out or Path("reports") / "paper.md")
+    said = [redact(o) for o in extra]
+    command = " ".join(["lab paper", *said, *(["--out", str(args.out)] if args.out else [])])
+    title = f"EAGLE 3.1's claims measured on {cfg.target.name}" + (f" ({' '.join(said)})" if said else "")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from lab.fsutil import atomic_file
+
+    with atomic_file(out) as tmp:  # whole or absent: another `lab paper` may write or read the page too
+        tmp.write_text(paper.markdown(findings, title, command))
+    for f in findings:
+        print(f"{f.claim.title}: {f.verdict()}; {f.said()}")
+    print(f"page: {out}")
+    return 0
+
+
+def load_study(exp: Any, uri: str, parent_run_id: str, only_seeds: list[int] | None = None) -> Any:
+    """The study under `parent_run_id` in store `uri`, as the experiment's report reads it (with `only_seeds`,
+    the runs of those seeds alone)."""
+    from lab import report
+
+    arms = [(a.name, a.label) for a in exp.arms]
+    return report.load(uri, parent_run_id, exp.name, exp.description, arms, exp.baseline, exp.seeds, only_seeds)
+
+
+def write_report(exp: Any, extra: list[str], study: Any, out: str | None, seeds_arg: str | None) -> Any:
+    """Write the experiment's report of `study` (into `out`, else reports/NAME), naming the command that
+    writes it again."""
+    from lab import report
+
+    command = " ".join(
+        ["lab report", f"experiment={exp.name}", *([f"--seeds {seeds_arg}"] if seeds_arg else []), *extra]
+    )
+    return report.write(study, exp.figures, Path(out or Path("reports") / exp.name), command)
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="experiment=NAME, then the overrides the ablation ran with")
+    p.add_argument("--run", help="the study's MLflow parent run id (default: found by experiment and overrides)")
+    p.add_argument("--out", type=path_type("out-dir"), help="output folder (default: reports/NAME)")
+    p.add_argument("--seeds", help="the seeds the ablation ran with --seeds (default: the experiment's)")
+
+
+def _paper_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="the overrides the studies ran with, e.g. profile=medium")
+    p.add_argument("--out", type=path_type("out-file"), help="the page (default: reports/paper.md)")
+
+
+REPORT = Verb(
+    cmd_report,
+    _report_arguments,
+    epilog="examples:\n  lab report experiment=drift_2x2\n"
+    "  lab report experiment=drift_2x2 profile=quick --seeds 0,1\n"
+    "  lab report experiment=drift_2x2 --run PARENT_RUN_ID",
+    fill=False,
+)
+PAPER = Verb(
+    cmd_paper,
+    _paper_arguments,
+    epilog="examples:\n  lab paper profile=medium --out docs/results/paper.md\n  lab paper profile=quick",
+    fill=False,
+)

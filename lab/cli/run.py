@@ -1,0 +1,88 @@
+"""`lab run` (one run of the pipeline) and `lab target build` (its first stage alone)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from lab import metrics as keys
+from lab.cli.common import Verb, fail, overrides_only, reachable
+from lab.composition import compose
+from lab.preflight import check_paths, check_target, preflight
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """one run: target -> cache -> train -> evaluate -> MLflow; prints the run id
+
+    One run: build or find the target, cache its hidden states, train the configured drafter, evaluate it
+    (eval.backends: ref, vllm) and log everything to MLflow; prints the run id.
+
+    drafter.checkpoint=DIR evaluates a drafter trained elsewhere instead (a TorchSpec convert_to_hf.py folder, a
+    speculators checkpoint, a `lab export`): no cache, no training. It is checked against the target first
+    (vocabulary, hidden size, captured layers) and logged like a trained drafter: its own drafter.* values as
+    params, the tags drafter_source and drafter_format, the run's `checkpoint` artifact. Captured layers it does
+    not name: drafter.aux_layers, else vLLM's default (2, L//2, L-3).
+    """
+    cfg = compose(args.overrides)
+    preflight(cfg)
+    reachable(cfg.tracking.uri)
+    from lab.pipeline import run  # every check has passed: the work starts here
+
+    try:
+        result = run(cfg)
+    except FloatingPointError as exc:  # an expected outcome of a bad setting, not a bug: no traceback
+        return fail(f"training diverged: {exc} (the MLflow run ended FAILED with this as its tag `error`)", 1)
+    for key in sorted(_headline_keys(cfg) & result.metrics.keys()):
+        print(f"  {key:40s} {result.metrics[key]:.3f}")
+    print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in result.seconds.items()))
+    print(f"MLflow run id: {result.run_id}   (store: {cfg.tracking.uri}; browse with `lab ui`)")
+    print(result.run_id)
+    return 0
+
+
+def _headline_keys(cfg: DictConfig) -> set[str]:
+    """What `lab run` prints: each suite's (not its variants') AL per backend and k, and its speedups."""
+    e, shown = cfg.eval, set()
+    for suite in e.suites:
+        for k in e.num_speculative_tokens:
+            shown |= {keys.acceptance_length(suite, k, backend) for backend in e.backends}
+            shown |= {keys.speedup(suite, k), keys.chain_limit(suite, k)}
+            shown |= {keys.throughput_speedup(suite, k, c) for c in e.vllm.concurrency}
+    return shown
+
+
+def cmd_target_build(args: argparse.Namespace) -> int:
+    """build (or find in the cache) the configured target"""
+    cfg = compose(args.overrides)
+    check_paths(cfg, keys=("target.path", "cache_dir"))
+    check_target(cfg)
+    from lab.pipeline import set_threads  # every check has passed: the work starts here
+    from lab.target import load
+
+    set_threads(cfg)
+    target = load(cfg)
+    info = target.info
+    if "val_loss" in info:
+        print(f"target {info['name']}: val_loss {info['val_loss']:.3f}, built in {info['seconds']:.0f}s")
+    elif info:
+        print(f"target {cfg.target.name}: converted from {Path(info['source']).name} in {info['seconds']:.0f}s")
+    print(target.path)
+    return 0
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
+
+
+RUN = Verb(
+    cmd_run,
+    _run_arguments,
+    epilog="examples:\n  lab run drafter=eagle31 train.ttt_length=5\n"
+    "  lab run profile=micro\n"
+    "  lab run drafter.checkpoint=/ckpts/torchspec-eagle31 target=hf target.path=/models/llama "
+    "eval.backends=[ref,vllm]\n"
+    "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]",
+)
+TARGET_BUILD = Verb(cmd_target_build, overrides_only("Hydra overrides, e.g. target=tiny_code"))

@@ -1,0 +1,204 @@
+"""move a study (its parent and child runs, optionally its Optuna study) between MLflow stores
+
+lab study export: one study of `lab ablate experiment=NAME` or `lab sweep sweep=NAME` (the one the same
+overrides ran, else the newest; --run picks one) into one .tar.gz: the parent and child runs with their tags,
+params, every metric's history, dataset inputs and artifacts (per-prompt records, suites, config, report),
+checked by a manifest of sha256 hashes. Drafter checkpoints only with --with-checkpoints, the Optuna study only
+with --with-optuna. Written atomically; its size is printed.
+
+lab study import ARCHIVE: those runs into the store of tracking.uri / tracking.artifact_root (and the Optuna
+study into its storage), after checking the whole archive: a damaged archive, or one of an unknown schema
+version, is refused in one line and nothing is written. Runs already there (imported before, tagged
+lab.imported_from) are skipped, so importing twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from lab.cli.common import STORE_KEYS, SWEEP_FILE, Verb, path_type, reachable
+from lab.composition import compose
+from lab.config import ConfigError, redact
+from lab.preflight import check_paths
+from lab.rules import PathRule
+
+EPILOG = (  # `lab study -h`'s
+    "examples:\n  lab study export experiment=drift_2x2 profile=quick --seeds 0,1 --out drift.tar.gz\n"
+    "  lab study export sweep=tpe_eagle31 --with-optuna --out tpe.tar.gz\n"
+    "  lab study import drift.tar.gz tracking.uri=sqlite:///laptop/mlflow.db tracking.artifact_root=laptop/art\n"
+    "  lab report experiment=drift_2x2 profile=quick --seeds 0,1 tracking.uri=sqlite:///laptop/mlflow.db"
+)
+
+
+def cmd_study_export(args: argparse.Namespace) -> int:
+    """a study's runs (and optionally its Optuna study and checkpoints) into one .tar.gz
+
+    Write one study of an experiment or sweep into one archive (see `lab study -h`).
+    """
+    from lab import track
+    from lab.report import find_parent
+    from lab.sweep import find
+
+    sweep, kind, extra, cfg = find.study_spec(args.overrides, args.seeds, "export")
+    uri = reachable(cfg.tracking.uri)
+    verb = "ablate" if kind == "experiment" else "sweep"
+    parents = track.study_parents(uri, sweep.experiment, sweep.name)
+    note = ""
+    if args.run is not None:
+        parent_id = find.parent_of(sweep, kind, uri, args.run)
+    elif not parents:
+        raise ConfigError(
+            kind, f"no study of '{sweep.name}' in {redact(uri)}; expected one run by `lab {verb} {kind}={sweep.name}`"
+        )
+    else:
+        parent_id, note = find_parent(uri, sweep.experiment, sweep.name, sweep.study_name(extra))
+    parent = next(p for p in parents if p.info.run_id == parent_id)
+    study_name = parent.data.tags.get("optuna_study", parent_id)
+    out = Path(args.out or f"{study_name}.tar.gz")
+    if out.is_dir():
+        raise ConfigError(
+            "--out", f"'{out}' is a directory; expected the archive's file, e.g. {out / study_name}.tar.gz"
+        )
+    url = None
+    if args.with_optuna:
+        from lab.sweep.dashboard import open_storage
+        from lab.sweep.storage import storage_url
+
+        url = storage_url(cfg)
+        held = open_storage(url, "--with-optuna").studies
+        if study_name not in held:
+            raise ConfigError(
+                "--with-optuna",
+                f"no Optuna study '{study_name}' in '{redact(url)}' (it holds {', '.join(sorted(held))}); expected the "
+                "storage the study ran with (tracking.optuna_storage)",
+            )
+    from lab.track import transfer
+
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    study = {"kind": kind, "name": sweep.name, "experiment": sweep.experiment, "optuna_study": study_name}
+    study["overrides"] = [redact(o) for o in extra]
+    with tempfile.TemporaryDirectory(prefix="lab-optuna-") as tmp:
+        files, optuna = {}, None
+        if url is not None:
+            from lab.sweep import transfer as optuna_transfer
+
+            journal = Path(tmp) / "study.journal"
+            trials = optuna_transfer.dump(url, study_name, journal)
+            files = {"optuna/study.journal": journal}
+            optuna = {"study": study_name, "file": "optuna/study.journal", "trials": trials}
+        done = transfer.export_study(uri, parent_id, out, study, args.with_checkpoints, files, optuna)
+    size = done.bytes / 1024
+    said = f"{size:.1f} KiB" if size < 1024 else f"{size / 1024:.1f} MiB"
+    print(
+        f"study {study_name}: {done.runs} runs (parent {parent_id} and {done.runs - 1} children), "
+        f"{done.artifacts} artifact files" + (f", the Optuna study ({optuna['trials']} trials)" if optuna else "")
+    )
+    if done.checkpoints_left_out:
+        print(f"  left out: {done.checkpoints_left_out} checkpoint files (--with-checkpoints carries them)")
+    print(f"archive: {out} ({said}, {done.bytes} bytes)")
+    print(f"import it elsewhere with: lab study import {out.name} [tracking.uri=... tracking.artifact_root=...]")
+    return 0
+
+
+def cmd_study_import(args: argparse.Namespace) -> int:
+    """an archive of `lab study export` into the configured store
+
+    Import an archive of `lab study export` into tracking.uri (see `lab study -h`).
+    """
+    from lab import track
+    from lab.track import transfer
+
+    path = Path(args.archive)
+    if "=" in args.archive and not path.exists():
+        raise ConfigError(
+            "ARCHIVE",
+            f"'{args.archive}' is an override, not an archive; expected `lab study import ARCHIVE [overrides]`",
+        )
+    cfg = compose(args.overrides)
+    check_paths(cfg, keys=STORE_KEYS)
+    uri = reachable(cfg.tracking.uri)
+    try:
+        # under the lock a study's parent run is found or created with (track.parent_run): two imports at once
+        # would each plan every run as missing and write it twice, and a study launched during an import would
+        # create a second parent under the imported one's key
+        waiting = f"another lab process is importing into {redact(uri)} or creating a study's parent run there"
+        with (
+            transfer.open_archive(path) as archive,  # checked through before anything is written
+            track.store_lock(uri, "parents", waiting),
+        ):
+            try:
+                plan = transfer.plan_import(uri, cfg.tracking.artifact_root, archive)
+            except ValueError as exc:
+                raise ConfigError("tracking.uri", str(exc)) from None
+            url = storage = None
+            if archive.optuna is not None:  # opened (created if need be) now: a bad URL fails before any write
+                from lab.preflight import check_optuna_storage
+                from lab.sweep.storage import open_storage, storage_url
+
+                url = storage_url(cfg)
+                check_optuna_storage(url)
+                storage = open_storage(url)
+            result = transfer.apply_import(plan, {"optuna_storage": redact(url)} if url else None)
+            optuna_said = ""
+            if url is not None:
+                from lab.sweep import transfer as optuna_transfer
+
+                name = archive.optuna["study"]
+                journal = archive.file(archive.optuna["file"])
+                written, trials = optuna_transfer.load(journal, storage, name, result.run_ids)
+                optuna_said = f"; Optuna study {name} ({trials} trials) " + (
+                    f"into {redact(url)}" if written else f"already in {redact(url)}"
+                )
+    except transfer.ArchiveError as exc:
+        raise ConfigError("ARCHIVE", f"{path}: {exc}") from None
+    study = archive.study
+    replaced = f", {result.replaced} cut short before and imported again" if result.replaced else ""
+    print(
+        f"imported {result.created} of {len(archive.runs)} runs into {redact(uri)} ({result.skipped} already there"
+        f"{replaced}){optuna_said}"
+    )
+    kind, name = study.get("kind", "experiment"), study.get("name", "?")
+    print(f"study {study.get('optuna_study', '?')}: parent run {result.parent_run_id}")
+    if kind == "experiment":
+        store = " ".join(redact(o) for o in args.overrides if o.startswith("tracking."))
+        print(f"report: lab report experiment={name} --run {result.parent_run_id} {store}".rstrip())
+    return 0
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="experiment=NAME or sweep=NAME, then the overrides it ran with")
+    archive = path_type(PathRule("out-file", "archive"))
+    p.add_argument("--out", type=archive, help="the archive (default: STUDY.tar.gz here)")
+    p.add_argument("--run", help="the study's MLflow parent run id (default: found by name and overrides)")
+    p.add_argument("--seeds", help="with experiment=NAME: the seeds `lab ablate --seeds` ran")
+    p.add_argument("--with-optuna", action="store_true", help="carry the study's Optuna study too")
+    p.add_argument(
+        "--with-checkpoints", action="store_true", help="carry the drafter checkpoints (`checkpoint/` artifacts) too"
+    )
+
+
+def _import_arguments(p: argparse.ArgumentParser) -> None:
+    archive = path_type(PathRule("file", "archive"))
+    p.add_argument("archive", type=archive, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
+    p.add_argument("overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=...")
+
+
+EXPORT = Verb(
+    cmd_study_export,
+    _export_arguments,
+    epilog="examples:\n  lab study export experiment=drift_2x2 --out drift_2x2.tar.gz\n"
+    "  lab study export experiment=drift_2x2 --run PARENT_RUN_ID --with-checkpoints --out drift_2x2.tar.gz\n"
+    "  lab study export sweep=tpe_eagle31 --with-optuna",
+    named_files=(SWEEP_FILE,),
+)
+IMPORT = Verb(
+    cmd_study_import,
+    _import_arguments,
+    epilog="examples:\n  lab study import drift_2x2.tar.gz\n"
+    "  lab study import drift_2x2.tar.gz tracking.uri=sqlite:///laptop/mlflow.db "
+    "tracking.artifact_root=laptop/artifacts",
+)
