@@ -276,4 +276,3 @@ def test_failing_file_cases_fail_the_same_through_the_real_command(fuzz, store):
 
 def test_the_recorded_store_is_unchanged(store):
     assert snapshot(store["root"]) == store["before"]
-

@@ -27,7 +27,6 @@ EXPECTS = re.compile(
 )
 
 
-
 class Valid(BaseException):
     """Raised where a verb's work starts (`WORK`): the case passed every check. Not an Exception, which a verb
     may catch around its work (`lab server` around preparing its store) and say as an error."""

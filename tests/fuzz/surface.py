@@ -42,7 +42,6 @@ def seeded_rng(*parts: object) -> random.Random:
     return random.Random(f"{SEED}:" + ":".join(map(str, parts)))
 
 
-
 def config_leaves(cls: type = Config, prefix: str = "") -> list[tuple[str, Any]]:
     """(dotted key, type) of every leaf of the config schema; a mapping of dataclasses as `prefix.*.`."""
     out = []
