@@ -219,8 +219,7 @@ def blame(exc: ConfigError, where: str, extra: list[str] | tuple[str, ...] = ())
     own = {o.split("=", 1)[0].lstrip("+~") for o in extra} | set(extra)
     if not changing_results([f"{exc.key}="]) or exc.key in own:
         return exc
-    message = str(exc).removeprefix(f"{exc.key}: ")
-    return ConfigError(f"{where}: {exc.key}", message)
+    return ConfigError(f"{where}: {exc.key}", exc.message)
 
 
 def changing_results(overrides: list[str]) -> list[str]:
