@@ -15,7 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import default_sigint
+from helpers import default_sigint, hold_training
 
 from lab import track
 from lab.config import ConfigError, redact
@@ -24,7 +24,6 @@ from lab.sweep import optuna_adapter as adapter
 from lab.sweep.engine import launch
 from lab.sweep.spec import Sweep
 from lab.sweep.workers import WholeLines, helpers
-from lab.train.ttt import HOLD_ENV
 
 FAST = ["train.steps=6", "eval.num_prompts=2"]
 
@@ -542,8 +541,8 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
     log, held = tmp_path / "ctrlc.log", tmp_path / "held"
     # the first trial's training waits after step 5 until interrupted: the interrupt lands mid-training however
-    # fast the machine is (lab.train.ttt.HOLD_ENV)
-    env = {**os.environ, HOLD_ENV: f"5:{held}"}
+    # fast the machine is (tests/hold/sitecustomize.py)
+    env = hold_training(dict(os.environ), 5, held)
     proc = subprocess.Popen(
         cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env, preexec_fn=default_sigint
     )
