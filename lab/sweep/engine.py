@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.composition import compose
 from lab.config import ConfigError, redact
@@ -177,7 +177,7 @@ def launch(
     with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:
         s.parent_run_id = parent.id
         parent.log_params(spec_params(sweep, extra))
-        parent.log_metrics({keys.sweep_stat("budget"): budget})
+        parent.log_metrics({metric_keys.sweep_stat("budget"): budget})
         s.study.set_user_attr("mlflow_parent_run_id", parent.id)
         s.study.set_user_attr("sweep", sweep.name)
         added = top_up(s, budget)

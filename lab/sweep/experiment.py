@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.composition import compose
 from lab.config import ConfigError
 from lab.rules import SEED_MAX
@@ -46,7 +46,7 @@ class Experiment:
             raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'", extra) from None
         e = cfg.eval
         backend = "ref" if "ref" in e.backends else "vllm"
-        metric = keys.acceptance_length(e.suites[0], e.num_speculative_tokens[0], backend)
+        metric = metric_keys.acceptance_length(e.suites[0], e.num_speculative_tokens[0], backend)
         arm = Param("arm", "bundle", [a.name for a in self.arms], bundles={a.name: a.overrides for a in self.arms})
         return Sweep(
             name=self.name,

@@ -30,7 +30,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.composition import compose
 from lab.config import ConfigError
 from lab.fsutil import short_hash
@@ -42,7 +42,7 @@ from lab.sweep.schema import ParamSpec, SweepSpec
 from lab.sweep.specfile import read_yaml
 
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
-PRUNE_METRIC = keys.train_stat("simulated_acc_len")
+PRUNE_METRIC = metric_keys.train_stat("simulated_acc_len")
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
 _PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
 SPEC_FILE = PathRule("file", "yaml")  # `sweep=PATH.yaml`

@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.data.cache import HiddenStates
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
@@ -159,9 +159,9 @@ def train(
                 if log is not None:
                     log(last, done)
                 bar.set_postfix(
-                    loss=f"{last[keys.train_stat('loss')]:.3f}",
-                    acc0=f"{last[keys.train_step_acc(0)]:.2f}",
-                    sal=f"{last[keys.train_stat('simulated_acc_len')]:.2f}",
+                    loss=f"{last[metric_keys.train_stat('loss')]:.3f}",
+                    acc0=f"{last[metric_keys.train_step_acc(0)]:.2f}",
+                    sal=f"{last[metric_keys.train_stat('simulated_acc_len')]:.2f}",
                 )
                 window, window_tokens, window_start = [], 0, time.time()
             # read once a step: a Ctrl-C from here on still gets its checkpoint (and tests/hold/sitecustomize.py
@@ -197,12 +197,12 @@ def _summarize(window: list[dict], tokens_per_s: float, lr: float) -> dict[str, 
     length = len(window[0]["accs"])
     accs = [sum(s["accs"][i] for s in window) / n for i in range(length)]
     summary = {
-        keys.train_stat("loss"): sum(s["loss"] for s in window) / n,
-        keys.train_stat("tokens_per_s"): tokens_per_s,
-        keys.train_stat("lr"): lr,
-        keys.train_stat("simulated_acc_len"): simulated_acc_len(accs),
+        metric_keys.train_stat("loss"): sum(s["loss"] for s in window) / n,
+        metric_keys.train_stat("tokens_per_s"): tokens_per_s,
+        metric_keys.train_stat("lr"): lr,
+        metric_keys.train_stat("simulated_acc_len"): simulated_acc_len(accs),
     }
     for i in range(length):
-        summary[keys.train_step_loss(i)] = sum(s["plosses"][i] for s in window) / n
-        summary[keys.train_step_acc(i)] = accs[i]
+        summary[metric_keys.train_step_loss(i)] = sum(s["plosses"][i] for s in window) / n
+        summary[metric_keys.train_step_acc(i)] = accs[i]
     return summary
