@@ -23,7 +23,7 @@ from lab.sweep import engine, experiment, queue, spec, storage
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.engine import launch
 from lab.sweep.spec import Sweep
-from lab.sweep.workers import WholeLines, helpers
+from lab.sweep.workers import WholeLines, worker_subprocesses
 
 FAST = ["train.steps=6", "eval.num_prompts=2"]
 
@@ -309,7 +309,9 @@ def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tm
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_helpers_start_after_the_shared_caches_are_warm_on_every_core(tmp_path, micro_overrides, monkeypatch, workers):
+def test_worker_subprocesses_start_after_the_shared_caches_are_warm_on_every_core(
+    tmp_path, micro_overrides, monkeypatch, workers
+):
     """With workers beside it, the launcher first builds the first trial's caches on every core (`threads`
     unset), then starts them on their shares; a lone worker builds them in its own trial."""
     calls: list[tuple] = []
@@ -318,18 +320,20 @@ def test_helpers_start_after_the_shared_caches_are_warm_on_every_core(tmp_path, 
         pass
 
     def started(worker_args, extra, threads, count, log, gpus=None):
-        calls.append(("helpers", threads, count))
+        calls.append(("worker_subprocesses", threads, count))
         raise Started
 
     monkeypatch.setattr(engine, "warm_caches", lambda cfg, progress: calls.append(("warm", cfg.threads)) or {})
-    monkeypatch.setattr(engine, "helpers", started)
+    monkeypatch.setattr(engine, "worker_subprocesses", started)
     spec_text = "space: {train.lr: [1.0e-3, 2.0e-3]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     sweep = spec.load(str(_write(tmp_path, "warm", spec_text)))
     extra = [o for o in _store(tmp_path, micro_overrides) if not o.startswith("threads=")]
     with pytest.raises(Started):
         _launch(sweep, extra, workers=workers)
     share = max(1, (os.cpu_count() or 1) // 2)
-    assert calls == ([("helpers", None, 0)] if workers == 1 else [("warm", None), ("helpers", share, 1)])
+    assert calls == (
+        [("worker_subprocesses", None, 0)] if workers == 1 else [("warm", None), ("worker_subprocesses", share, 1)]
+    )
 
 
 @pytest.mark.slow
@@ -354,8 +358,8 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
 
 
 def test_lines_printed_from_two_threads_at_once_never_run_together():
-    """The launcher prints its worker's stage lines while its helpers' lines are forwarded from other threads:
-    a line that one thread writes in pieces still comes out whole, and a piece left without its newline
+    """The launcher prints its worker's stage lines while its worker subprocesses' lines are forwarded from
+    other threads: a line that one thread writes in pieces still comes out whole, and a piece left without its newline
     ends on a line of its own."""
     out = io.StringIO()
     lines = WholeLines(out)
@@ -383,8 +387,8 @@ def test_lines_printed_from_two_threads_at_once_never_run_together():
     assert out.getvalue().splitlines()[-1] == "[w0] left without a newline"
 
 
-def test_helpers_send_the_launchers_stdout_through_whole_lines(capsys):
-    with helpers(["--help"], [], None, 1, print):
+def test_worker_subprocesses_send_the_launchers_stdout_through_whole_lines(capsys):
+    with worker_subprocesses(["--help"], [], None, 1, print):
         assert isinstance(sys.stdout, WholeLines)
         print("[w0] a stage line")
     printed = capsys.readouterr().out.splitlines()

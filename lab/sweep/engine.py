@@ -47,7 +47,7 @@ from lab.sweep.spec import Sweep
 from lab.sweep.storage import Session, dashboard_command, open_session
 from lab.sweep.summary import finish, spec_params, study_span
 from lab.sweep.trial import RUN_FAILURES, run_trial
-from lab.sweep.workers import gpu_placement, helpers, place_this_process
+from lab.sweep.workers import gpu_placement, place_this_process, worker_subprocesses
 
 
 @dataclass
@@ -62,7 +62,7 @@ class SweepResult:
     summary: str
 
 
-def work(
+def run_waiting_trials(
     s: Session,
     threads: int | None = None,
     progress: bool = True,
@@ -109,7 +109,7 @@ def join(
     if not s.parent_run_id:
         raise ConfigError("sweep", f"study '{s.study.study_name}' has no MLflow parent run; start it with `lab sweep`")
     log(f"worker {worker_name()} joined study {s.study.study_name} in {redact(s.storage_url)}")
-    work(s, threads, progress, log)
+    run_waiting_trials(s, threads, progress, log)
     # the queue is empty and no trial runs anywhere: whichever worker gets here last leaves the summary
     finish(s, *study_span(s))
     track.end_run(s.uri, s.parent_run_id, "FINISHED")
@@ -202,9 +202,9 @@ def launch(
         gpus = _placement(cfg, count + 1, log)
         if count > 0:
             _warm(cfg, progress, log)
-        with helpers(worker_args, extra, threads, count, log, gpus):
+        with worker_subprocesses(worker_args, extra, threads, count, log, gpus):
             prefix = "[w0] " if workers > 1 else ""
-            work(s, threads, progress and workers == 1, lambda m: log(prefix + m))
+            run_waiting_trials(s, threads, progress and workers == 1, lambda m: log(prefix + m))
         c = counts(s)
         ran = c["finished"] - finished_before
         seconds = time.time() - started
