@@ -157,17 +157,17 @@ def test_one_rule_engine_for_configs_and_spec_files(tmp_path):
     rules."""
     from lab import rules
     from lab.config import SEED
-    from lab.sweep import schema, spec
+    from lab.sweep import search_space, spec_schema
 
-    assert SEED["max"] == schema.SEEDS["max"] == rules.SEED_MAX
+    assert SEED["max"] == spec_schema.SEEDS["max"] == rules.SEED_MAX
     with pytest.raises(ConfigError) as config_error:
         compose(["seed=-1"])
     assert str(config_error.value) == f"seed: expected an integer in 0..{rules.SEED_MAX}, got -1"
     path = tmp_path / "s.yaml"
     path.write_text("space: {train.lr: [0.1]}\nobjectives: [eval/in_dist/ref/k3/al]\nseeds: [0, -1]\n")
     with pytest.raises(ConfigError) as spec_error:
-        spec.load(str(path))
-    words = rules.words(list[int], schema.SEEDS)
+        search_space.load(str(path))
+    words = rules.words(list[int], spec_schema.SEEDS)
     assert str(spec_error.value) == f"{path}: seeds: expected {words}, got [0, -1]"
     assert words == f"a non-empty list of distinct integers in 0..{rules.SEED_MAX}"
 
@@ -195,7 +195,7 @@ def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_
     """compose reads no drafter file (the config layer imports nothing of the stages); `lab run`'s preflight and
     a study's check of every point refuse a drafter.checkpoint that is not there, in one line naming it."""
     from lab.preflight import preflight
-    from lab.sweep import spec
+    from lab.sweep import search_space
 
     micro = ["profile=micro"]
     missing = tmp_path / "nothing"
@@ -205,7 +205,7 @@ def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_
     path = tmp_path / "s.yaml"
     path.write_text(f"space: {{drafter.checkpoint: [{missing}]}}\nobjectives: [eval/in_dist/ref/k3/al]\n")
     with pytest.raises(ConfigError, match=r"s\.yaml point 'checkpoint=.*nothing': drafter\.checkpoint: .*missing"):
-        spec.load(str(path)).check(micro)
+        search_space.load(str(path)).check(micro)
 
 
 # The schema (lab/config.py) holds every default; a config file states only what it changes. A file that

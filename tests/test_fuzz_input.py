@@ -4,7 +4,7 @@ The surface is enumerated, not listed here, so that a new key or option is fuzze
 
 - config keys: every field of `lab/config.py`'s `Config`, walked recursively (`suites.*` through one configured
   suite, picked by the seed among those the base run can evaluate, and evaluated in the case);
-- spec keys: every field of `lab/sweep/schema.py`'s `SweepSpec` and `ExperimentSpec` and of the dataclasses
+- spec keys: every field of `lab/sweep/spec_schema.py`'s `SweepSpec` and `ExperimentSpec` and of the dataclasses
   they hold (a space's parameter, an objective, the sampler, the pruner, an arm), mutated in a valid spec file;
 - options: every verb of `lab.cli.build_parser()` (its subparsers, walked; `VERB worker` where a subparser
   sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides;
@@ -68,7 +68,7 @@ from lab import cli, track
 from lab.composition import compose
 from lab.config import Config
 from lab.rules import PathRule, path_rules, strip_optional
-from lab.sweep import experiment, schema
+from lab.sweep import experiment, spec_schema
 from lab.validation import ruled_keys
 
 SEED = int(os.environ.get("LAB_FUZZ_SEED", "21"))
@@ -327,7 +327,7 @@ EXPERIMENT_BASE = {
     "arms": {"a": {"label": "A", "overrides": ["drafter=eagle31"]}},
     "figures": ["al_vs_depth"],
 }
-SPECS = {"sweeps": (schema.SweepSpec, SWEEP_BASE), "experiments": (schema.ExperimentSpec, EXPERIMENT_BASE)}
+SPECS = {"sweeps": (spec_schema.SweepSpec, SWEEP_BASE), "experiments": (spec_schema.ExperimentSpec, EXPERIMENT_BASE)}
 SPEC_KEYS = [(kind, key, tp) for kind, (cls, _) in SPECS.items() for key, tp in spec_leaves(cls)]
 
 

@@ -18,7 +18,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from lab.composition import compose
 from lab.config import ConfigError, redact
-from lab.sweep.spec import Sweep, blame
+from lab.sweep.search_space import Sweep, blame
 
 if TYPE_CHECKING:
     import optuna

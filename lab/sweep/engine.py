@@ -43,7 +43,7 @@ from lab.pipeline import warm_caches
 from lab.preflight import check_checkpoint
 from lab.sweep.heartbeat import recover_stale, worker_name
 from lab.sweep.queue import counts, pop, top_up
-from lab.sweep.spec import Sweep
+from lab.sweep.search_space import Sweep
 from lab.sweep.storage import Session, dashboard_command, open_session
 from lab.sweep.summary import finish, spec_params, study_span
 from lab.sweep.trial import RUN_FAILURES, run_trial

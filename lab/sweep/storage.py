@@ -18,7 +18,7 @@ from lab import track
 from lab.config import OPTUNA_DB_PREFIXES, ConfigError, redact
 from lab.fsutil import file_lock
 from lab.sweep import optuna_adapter as adapter
-from lab.sweep.spec import Sweep
+from lab.sweep.search_space import Sweep
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial prints its own line
 

@@ -14,7 +14,7 @@ from lab import track
 from lab.config import redact
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.queue import counts
-from lab.sweep.spec import Sweep, changing_results
+from lab.sweep.search_space import Sweep, changing_results
 from lab.sweep.storage import Session
 
 

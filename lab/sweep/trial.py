@@ -21,7 +21,7 @@ from lab.preflight import check_checkpoint
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.heartbeat import beating
 from lab.sweep.queue import enqueue_other_seeds, retry
-from lab.sweep.spec import PRUNE_METRIC
+from lab.sweep.search_space import PRUNE_METRIC
 from lab.sweep.storage import Session
 from lab.sweep.summary import fmt
 
