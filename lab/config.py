@@ -37,10 +37,13 @@ OPTUNA_DB_PREFIXES = ("sqlite:", "postgresql", "mysql", "oracle", "mssql")
 
 
 class ConfigError(ValueError):
-    """A config problem; str() is the one line shown to the user."""
+    """A config problem; str() is the one line shown to the user, `KEY: MESSAGE`. The key and the message are
+    kept apart as fields, so that a caller that says the problem of another place (a study's point, an
+    experiment's arm) builds its own error from them instead of cutting the line apart."""
 
     def __init__(self, key: str, message: str):
         self.key = key
+        self.message = message
         super().__init__(f"{key}: {message}")
 
 

@@ -306,11 +306,22 @@ def short_hash(obj: Any, n: int = 12) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
+ERROR_LINE_MAX = 300  # characters of a tool's output quoted in a one-line message
+
+
+def error_line(output: str) -> str:
+    """The line of a failed tool's output (a worker's log, pip's stderr) that says what went wrong, for a
+    one-line message: the last line that names an error, else the last line; '' for no output. Warnings
+    (`WARNING...`, as pip and vLLM start them) are passed over while there is any other line: a retry's
+    warning often names an error that is not the one the tool stopped on."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith("WARNING")] or lines
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or [""])[-1][:ERROR_LINE_MAX]
+
+
 def last_error_line(log_path: Path, start: int = 0) -> str:
-    """What a failed worker's log says last about an error (from byte `start` on: a log appended to across
-    runs), for a one-line message."""
+    """`error_line` of a failed worker's log (from byte `start` on: a log appended to across runs)."""
     with open(log_path, "rb") as log:
         log.seek(start)
-        lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-    return (errors or lines or ["no output"])[-1][:300]
+        return error_line(log.read().decode(errors="replace")) or "no output"

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.config import ConfigError, DataSource, rollout_depth
 from lab.data.cache import HeldoutStates, build_or_load, heldout_states
@@ -215,13 +215,13 @@ def run(
         setup: dict[str, float] = {}
         if hidden is not None:
             setup = {
-                keys.cache_stat("hit"): float(hidden.stats["hit"]),
-                keys.cache_stat("seconds"): hidden.stats["seconds"],
+                metric_keys.cache_stat("hit"): float(hidden.stats["hit"]),
+                metric_keys.cache_stat("seconds"): hidden.stats["seconds"],
             }
             if hidden.stats.get("build_seconds") is not None:
-                setup[keys.cache_stat("build_seconds")] = hidden.stats["build_seconds"]
+                setup[metric_keys.cache_stat("build_seconds")] = hidden.stats["build_seconds"]
         if "val_loss" in target.info:
-            setup[keys.target_val_loss()] = target.info["val_loss"]
+            setup[metric_keys.target_val_loss()] = target.info["val_loss"]
         setup.update(prepared.data_stats)
         if setup:
             mlrun.log_metrics(setup)
@@ -235,7 +235,7 @@ def run(
         else:
             drafter, tokens_per_s = _train(cfg, mlrun, target, hidden, layers, resume_dir, hooks, progress, seconds)
             if tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
-                metrics[keys.train_stat("final_tokens_per_s")] = tokens_per_s
+                metrics[metric_keys.train_stat("final_tokens_per_s")] = tokens_per_s
         if t.log_checkpoint:  # an imported drafter too, in our format: `lab export RUN_ID` works alike
             with tempfile.TemporaryDirectory() as tmp:
                 mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
@@ -273,7 +273,7 @@ def run(
         )
         final = dict(rollout.metrics)
         seconds["eval"] = time.time() - t0
-        final.update({keys.stage_seconds(k): v for k, v in seconds.items()})
+        final.update({metric_keys.stage_seconds(k): v for k, v in seconds.items()})
         mlrun.log_curves(final)
         mlrun.log_dict(rollout.per_prompt, "per_prompt/rollout.json")
         metrics.update(final)
@@ -315,7 +315,7 @@ def _trained_alike(cfg: DictConfig, target, train_key: str, layers: list[int]):
     """The drafter of the first finished run tagged `train_key` (of any study in the store), loaded with the
     run it came from; None when no run trained it yet."""
     with tempfile.TemporaryDirectory() as tmp:
-        found = track.trained_run(cfg.tracking.uri, train_key, tmp, keys.is_training_curve)
+        found = track.trained_run(cfg.tracking.uri, train_key, tmp, metric_keys.is_training_curve)
         if found is None:
             return None
         drafter = load_checkpoint(found.checkpoint, embed_weight=target.embed_weight, aux_layers=layers)

@@ -15,7 +15,7 @@ database's header, an Optuna journal's lines, a target folder's safetensors head
 config, headers and hashes, a GGUF file's header.
 
 `lab run` runs them all (`preflight`); a study runs `check_paths`, `check_checkpoint` and `check_target` (which
-runs `check_environment`) on every point before it starts (lab/sweep/spec.py `Sweep.check`, and the CLI on its
+runs `check_environment`) on every point before it starts (lab/sweep/search_space.py `Sweep.check`, and the CLI on its
 first point) and `check_optuna_storage` on its storage, but not `check_vllm_servable`."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The one rule engine for every value a user writes: the config schema (lab/config.py) and the schema of a
-study's spec files (lab/sweep/schema.py) declare each field's rules with `checked`; `problem` applies them,
+study's spec files (lab/sweep/spec_schema.py) declare each field's rules with `checked`; `problem` applies them,
 `words` says what a good value is, and `expected_got` is the one form of the error about a bad value,
 `expected WHAT, got VALUE` (the caller puts the key, and the file, in front: lab/validation.py's `check_rules`
-for a config, lab/sweep/specfile.py for a spec file).
+for a config, lab/sweep/spec_reader.py for a spec file).
 
 A field's rules are its metadata:
 

@@ -41,45 +41,21 @@ from lab.config import (
 from lab.shape import aux_layers, max_positions, target_shape
 
 
-def _positive(cfg: DictConfig, keys: list[str]) -> None:
-    for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if value is None or value <= 0:
-            raise ConfigError(key, f"must be a positive number, got {value}")
-
-
 def validate(cfg: DictConfig) -> None:
-    """Checks that need the whole config, and every value against its field's rules (`check_rules`); raises
-    ConfigError naming the key and what is allowed."""
+    """Every value against its field's rules (`check_rules`), then the checks that need the whole config;
+    raises ConfigError naming the key and what is allowed.
+
+    A bound of one value (positive, >= 2, in (0, 1], ...) is declared on its schema field only (lab/config.py
+    `checked`) and said by the rule engine, `KEY: expected WHAT, got VALUE`: nothing here checks it again.
+    The rules run first, so that the checks below may count on them (no division by a zero target.num_heads,
+    no max() of an empty eval.num_speculative_tokens)."""
     _validate_tracking(cfg.tracking)
-    _positive(
-        cfg,
-        [
-            "train.ttt_length",
-            "train.steps",
-            "train.batch_size",
-            "train.lr",
-            "drafter.num_layers",
-            "data.num_sequences",
-            "data.seq_len",
-            "eval.num_prompts",
-            "eval.prompt_len",
-            "eval.max_prompt_len",
-            "eval.max_new_tokens",
-            "train.log_every",
-        ],
-    )
-    if cfg.drafter.draft_vocab_size is not None and cfg.drafter.draft_vocab_size < 2:
-        raise ConfigError("drafter.draft_vocab_size", f"must be >= 2 or null, got {cfg.drafter.draft_vocab_size}")
+    check_rules(cfg)
     if cfg.train.backend not in TRAIN_BACKENDS:
         raise ConfigError("train.backend", f"unknown '{cfg.train.backend}'; allowed: {', '.join(TRAIN_BACKENDS)}")
     if cfg.train.backend == "torchspec":
         check_torchspec_drafter(cfg)  # whether TorchSpec is installed is lab/preflight.py's check_environment
-    if not 0 < cfg.train.step_weight <= 1:
-        raise ConfigError("train.step_weight", f"must be in (0, 1], got {cfg.train.step_weight}")
     if cfg.target.kind == TargetKind.build:
-        build = ["vocab_size", "num_layers", "hidden_size", "num_heads", "max_positions"]
-        _positive(cfg, [f"target.{k}" for k in build])
         if cfg.target.hidden_size % cfg.target.num_heads:
             raise ConfigError(
                 "target.num_heads",
@@ -111,17 +87,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("drafter.aux_layers", f"ids must be distinct, got {layers}")
     if list(layers) != sorted(layers):
         raise ConfigError("drafter.aux_layers", f"ids must be ascending, got {layers}")
-    if len(cfg.eval.num_speculative_tokens) == 0:
-        raise ConfigError("eval.num_speculative_tokens", "must name at least one drafting depth k, e.g. [3, 8]")
-    for k in cfg.eval.num_speculative_tokens:
-        if not isinstance(k, int) or k < 1:
-            raise ConfigError(
-                "eval.num_speculative_tokens", f"must be positive integers, got {list(cfg.eval.num_speculative_tokens)}"
-            )
-    if cfg.threads is not None and cfg.threads < 1:
-        raise ConfigError(
-            "threads", f"must be a positive number of torch threads, or null for all cores; got {cfg.threads}"
-        )
     if cfg.train.ttt_length >= cfg.data.seq_len:
         # every TTT step drafts one position further into the training sequence
         raise ConfigError(
@@ -132,9 +97,6 @@ def validate(cfg: DictConfig) -> None:
     _validate_backends(cfg)
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
-    if cfg.eval.temperature < 0:
-        raise ConfigError("eval.temperature", f"must be >= 0 (0 = greedy), got {cfg.eval.temperature}")
-    check_rules(cfg)
     _validate_lengths(cfg)
 
 
@@ -226,17 +188,14 @@ def check_torchspec_drafter(cfg: DictConfig) -> None:
 
 
 def _validate_backends(cfg: DictConfig) -> None:
-    backends = list(cfg.eval.backends)
-    if not backends or any(b not in BACKENDS for b in backends):
+    backends = list(cfg.eval.backends)  # non-empty and distinct: its field's rules
+    if any(b not in BACKENDS for b in backends):
         raise ConfigError("eval.backends", f"must be a non-empty list of {', '.join(BACKENDS)}; got {backends}")
     v = cfg.eval.vllm
     if v.format not in VLLM_FORMATS:
         raise ConfigError("eval.vllm.format", f"unknown format '{v.format}'; allowed: {', '.join(VLLM_FORMATS)}")
     if v.dtype not in VLLM_DTYPES:
         raise ConfigError("eval.vllm.dtype", f"unknown dtype '{v.dtype}'; allowed: {', '.join(VLLM_DTYPES)}")
-    if not v.concurrency or any(not isinstance(c, int) or c < 1 for c in v.concurrency):
-        raise ConfigError("eval.vllm.concurrency", f"must be positive integers, got {list(v.concurrency)}")
-    _positive(cfg, ["eval.vllm.kv_cache_gib", "eval.vllm.timeout_s"])
     for name in v.throughput_suites or []:
         if name not in cfg.eval.suites:
             evaluated = ", ".join(cfg.eval.suites)
@@ -323,16 +282,11 @@ def _validate_data(cfg: DictConfig) -> None:
             raise ConfigError("data.path", f"'{d.path}' is not a readable file")
     if d.regenerate and not chat_data:
         raise ConfigError("data.regenerate", "only conversations are regenerated: needs data.source=sharegpt or jsonl")
-    _positive(cfg, ["data.max_new_tokens", "data.heldout_sequences"])
-    if d.token_budget is not None and d.token_budget <= 0:
-        raise ConfigError("data.token_budget", f"must be a positive number of tokens or null, got {d.token_budget}")
 
 
 def _validate_suites(cfg: DictConfig) -> None:
     templates = ", ".join(TEMPLATE_NAMES)
     _validate_data(cfg)
-    if not cfg.eval.suites:
-        raise ConfigError("eval.suites", f"must name at least one suite; configured: {', '.join(cfg.suites)}")
     positions, deepest = max_positions(cfg), max(cfg.eval.num_speculative_tokens)
     room = positions - cfg.eval.max_new_tokens - deepest - 1
     if room < 1:
@@ -355,12 +309,8 @@ def _validate_suites(cfg: DictConfig) -> None:
             raise ConfigError(
                 "eval.suites", f"'{name}' needs conversations (data=sharegpt or data=jsonl), not data.source=code"
             )
-        if suite.num_prompts is not None and suite.num_prompts <= 0:
-            raise ConfigError(f"{key}.num_prompts", f"must be a positive number, got {suite.num_prompts}")
         if suite.kind == SuiteKind.long_context and cfg.data.source != DataSource.code:
-            lengths = list(suite.context_lengths)
-            if not lengths or any(n <= 0 for n in lengths):
-                raise ConfigError(f"{key}.context_lengths", f"must be positive numbers of tokens, got {lengths}")
+            lengths = list(suite.context_lengths)  # non-empty and positive: its field's rules
             if max(lengths) > room:
                 raise ConfigError(
                     f"{key}.context_lengths",
@@ -368,9 +318,7 @@ def _validate_suites(cfg: DictConfig) -> None:
                     f"({max_positions(cfg)}); expected at most {room}",
                 )
         elif suite.kind == SuiteKind.long_context:
-            multiples = list(suite.context_multiples)
-            if not multiples or any(m <= 0 for m in multiples):
-                raise ConfigError(f"{key}.context_multiples", f"must be positive numbers, got {multiples}")
+            multiples = list(suite.context_multiples)  # non-empty and positive: its field's rules
             if max(multiples) * cfg.data.seq_len > room:
                 raise ConfigError(
                     f"{key}.context_multiples",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+from pathlib import Path
 
 import torch
 
@@ -46,6 +48,16 @@ def small_target(seed: int = 0):
         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
     )  # fmt: skip
     return LlamaForCausalLM(config).eval()
+
+
+HOLD_DIR = Path(__file__).resolve().parent / "hold"  # its sitecustomize.py holds training where a test says
+
+
+def hold_training(env: dict[str, str], step: int, flag: Path) -> dict[str, str]:
+    """`env` for a `lab` process (and the processes it starts) whose training stops after `step`, creates
+    `flag` and waits for Ctrl-C (tests/hold/sitecustomize.py): the test interrupts it at a point it controls."""
+    path = os.pathsep.join(p for p in (str(HOLD_DIR), env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "LAB_HOLD_AFTER_STEP": f"{step}:{flag}"}
 
 
 def default_sigint() -> None:

@@ -40,15 +40,26 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ("int as text", ["run", STORE, "train.steps=abc"], "train.steps", "expected an integer, got 'abc'"),
     ("bool as text", ["run", STORE, "drafter.norm_output=maybe"], "drafter.norm_output", "expected true or false"),
     # out of range
-    ("step weight > 1", ["run", STORE, "train.step_weight=2"], "train.step_weight", "must be in (0, 1]"),
-    ("negative temperature", ["run", STORE, "eval.temperature=-1"], "eval.temperature", "must be >= 0"),
+    # (the schema's bounds, said by the rule engine: `expected WHAT, got VALUE`)
+    (
+        "step weight > 1",
+        ["run", STORE, "train.step_weight=2"],
+        "train.step_weight",
+        "expected a finite number > 0.0 and <= 1.0, got 2.0",
+    ),
+    (
+        "negative temperature",
+        ["run", STORE, "eval.temperature=-1"],
+        "eval.temperature",
+        "expected a finite number >= 0.0, got -1.0",
+    ),
     (
         "no drafting depth",
         ["run", STORE, "eval.num_speculative_tokens=[]"],
         "eval.num_speculative_tokens",
-        "at least one",
+        "expected a non-empty list of distinct integers >= 1, got []",
     ),
-    ("negative threads", ["run", STORE, "threads=-2"], "threads", "positive number of torch threads"),
+    ("negative threads", ["run", STORE, "threads=-2"], "threads", "expected an integer >= 1 or null, got -2"),
     ("aux layer past the target", ["run", STORE, "drafter.aux_layers=[1,2,9]"], "drafter.aux_layers", "0..3"),
     # incompatible combinations
     (

@@ -100,10 +100,10 @@ BAD = [
     (["drafter.aux_layers=[3,1,5]"], "drafter.aux_layers", "ascending"),
     (["target=tiny_code", "data=code", "target.num_heads=16"], "target.num_heads", "= 16 cannot be served"),
     (["target=tiny_code", "data=code", "target.num_heads=3"], "target.num_heads", "divide"),
-    (["train.ttt_length=0"], "train.ttt_length", "positive"),
+    (["train.ttt_length=0"], "train.ttt_length", "expected an integer >= 1, got 0"),
     (["train.lr=fast"], "train.lr", "expected a number, got 'fast'"),
     (["drafter=eagle4"], "drafter", "eagle31"),
-    (["eval.num_speculative_tokens=[0]"], "eval.num_speculative_tokens", "positive"),
+    (["eval.num_speculative_tokens=[0]"], "eval.num_speculative_tokens", "integers >= 1, got [0]"),
     (["eval.suites=[nope]"], "eval.suites", "in_dist, jsonl, long_context"),
     (["target=hf"], "target.path", "required"),
     (["target=hf", "target.path=/nonexistent/model"], "target.path", "not a directory"),
@@ -121,21 +121,21 @@ BAD = [
     ),
     (["eval.suites=[jsonl]"], "suites.jsonl.path", "required"),
     (["eval.suites=[jsonl]", "suites.jsonl.path=/no/such.jsonl"], "suites.jsonl.path", "not a readable file"),
-    (["drafter.draft_vocab_size=1"], "drafter.draft_vocab_size", ">= 2"),
+    (["drafter.draft_vocab_size=1"], "drafter.draft_vocab_size", "expected an integer >= 2 or null, got 1"),
     (["data.template=alpaca"], "data.template", "for data.source=sharegpt; allowed: chatml"),
     (["suites.long_context.context_lengths=[1024,9000]"], "suites.long_context.context_lengths", "at most 8119"),
     (["data=jsonl"], "data.path", "required for data.source=jsonl"),
     (["data=jsonl", "data.path=/no/such.jsonl"], "data.path", "not a readable file"),
     (["target=tiny_code", "data=code", "data.regenerate=true"], "data.regenerate", "data.source=sharegpt or jsonl"),
     (["target=tiny_code", "data=code", "eval.suites=[mtbench]"], "eval.suites", "needs conversations"),
-    (["data.max_new_tokens=0"], "data.max_new_tokens", "positive"),
-    (["data.token_budget=-5"], "data.token_budget", "positive number of tokens or null"),
+    (["data.max_new_tokens=0"], "data.max_new_tokens", "expected an integer >= 1, got 0"),
+    (["data.token_budget=-5"], "data.token_budget", "expected an integer >= 1 or null, got -5"),
     (["data.generator=tgi"], "data.generator", "auto, vllm, hf"),
     (["eval.backends=[ref,sglang]"], "eval.backends", "ref, vllm"),
     (["eval.backends=[]"], "eval.backends", "non-empty"),
     (["eval.vllm.format=gguf"], "eval.vllm.format", "native, speculators"),
-    (["eval.vllm.concurrency=[1,0]"], "eval.vllm.concurrency", "positive"),
-    (["eval.vllm.kv_cache_gib=0"], "eval.vllm.kv_cache_gib", "positive"),
+    (["eval.vllm.concurrency=[1,0]"], "eval.vllm.concurrency", "integers >= 1, got [1, 0]"),
+    (["eval.vllm.kv_cache_gib=0"], "eval.vllm.kv_cache_gib", "expected an integer >= 1, got 0"),
     (["eval.vllm.throughput_suites=[indist]"], "eval.vllm.throughput_suites", "'indist' is not evaluated"),
     (["train.autocast_bf16=true"], "train.autocast_bf16", "unknown config key"),  # retired: `dtype` is the knob
 ]
@@ -157,17 +157,17 @@ def test_one_rule_engine_for_configs_and_spec_files(tmp_path):
     rules."""
     from lab import rules
     from lab.config import SEED
-    from lab.sweep import schema, spec
+    from lab.sweep import search_space, spec_schema
 
-    assert SEED["max"] == schema.SEEDS["max"] == rules.SEED_MAX
+    assert SEED["max"] == spec_schema.SEEDS["max"] == rules.SEED_MAX
     with pytest.raises(ConfigError) as config_error:
         compose(["seed=-1"])
     assert str(config_error.value) == f"seed: expected an integer in 0..{rules.SEED_MAX}, got -1"
     path = tmp_path / "s.yaml"
     path.write_text("space: {train.lr: [0.1]}\nobjectives: [eval/in_dist/ref/k3/al]\nseeds: [0, -1]\n")
     with pytest.raises(ConfigError) as spec_error:
-        spec.load(str(path))
-    words = rules.words(list[int], schema.SEEDS)
+        search_space.load(str(path))
+    words = rules.words(list[int], spec_schema.SEEDS)
     assert str(spec_error.value) == f"{path}: seeds: expected {words}, got [0, -1]"
     assert words == f"a non-empty list of distinct integers in 0..{rules.SEED_MAX}"
 
@@ -195,7 +195,7 @@ def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_
     """compose reads no drafter file (the config layer imports nothing of the stages); `lab run`'s preflight and
     a study's check of every point refuse a drafter.checkpoint that is not there, in one line naming it."""
     from lab.preflight import preflight
-    from lab.sweep import spec
+    from lab.sweep import search_space
 
     micro = ["profile=micro"]
     missing = tmp_path / "nothing"
@@ -205,7 +205,7 @@ def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_
     path = tmp_path / "s.yaml"
     path.write_text(f"space: {{drafter.checkpoint: [{missing}]}}\nobjectives: [eval/in_dist/ref/k3/al]\n")
     with pytest.raises(ConfigError, match=r"s\.yaml point 'checkpoint=.*nothing': drafter\.checkpoint: .*missing"):
-        spec.load(str(path)).check(micro)
+        search_space.load(str(path)).check(micro)
 
 
 # The schema (lab/config.py) holds every default; a config file states only what it changes. A file that

@@ -33,7 +33,7 @@ import test_ui
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.trial import TrialState
 
-from lab.sweep import spec
+from lab.sweep import search_space
 
 if TYPE_CHECKING:
     from selenium.webdriver.remote.webdriver import WebDriver
@@ -94,7 +94,7 @@ def _store_overrides(root: Path) -> list[str]:
 def _sweep_journal(root: Path) -> Storage:
     """The sweep's study where `lab sweep sweep=toggles_grid` keeps it: a journal beside the MLflow database."""
     extra = _store_overrides(root)
-    name = spec.load(SWEEP).study_name(extra)
+    name = search_space.load(SWEEP).study_name(extra)
     path = root / "mlruns" / "optuna.journal"
     path.parent.mkdir(parents=True)
     _write_study(_journal(path), name)

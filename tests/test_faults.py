@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import default_sigint, small_drafter
+from helpers import default_sigint, hold_training, small_drafter
 
 from lab import track
 from lab.composition import compose
@@ -23,7 +23,6 @@ from lab.drafter.formats import MANIFEST as DRAFTER_MANIFEST
 from lab.fsutil import sha256_file
 from lab.shape import aux_layers
 from lab.train import resume
-from lab.train.ttt import HOLD_ENV
 
 
 def _store(path: Path) -> list[str]:
@@ -180,8 +179,8 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
     env = {**os.environ, "TQDM_DISABLE": "1"}
     out, err, held = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "held"
     with open(out, "w") as o, open(err, "w") as e:
-        # training waits after step 7 (its step-5 checkpoint written) until interrupted (lab.train.ttt.HOLD_ENV)
-        hold = {**env, HOLD_ENV: f"7:{held}"}
+        # training waits after step 7 (its step-5 checkpoint written) until interrupted (tests/hold/sitecustomize.py)
+        hold = hold_training(env, 7, held)
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, env=hold, cwd=workdir, preexec_fn=default_sigint)
         deadline = time.time() + 150
         while not held.exists():

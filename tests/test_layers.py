@@ -260,7 +260,7 @@ def test_sweep_modules_import_one_way():
 
 
 def test_the_spec_schema_imports_only_the_rule_engine():
-    assert {e[1] for e in imports(LAB) if e[0] == "lab.sweep.schema"} == {"lab.rules"}
+    assert {e[1] for e in imports(LAB) if e[0] == "lab.sweep.spec_schema"} == {"lab.rules"}
 
 
 # Optuna's private API: underscored attributes (`_trial_id`, ...) and what optuna.storages does not export

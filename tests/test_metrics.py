@@ -16,7 +16,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 import pytest
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = "# The metric contract"
@@ -27,8 +27,8 @@ NOT_KEYS = {"suite_variant", "is_training_curve"}  # a builder's `suite`, a pred
 def builders() -> dict[str, object]:
     return {
         name: fn
-        for name, fn in inspect.getmembers(keys, inspect.isfunction)
-        if fn.__module__ == keys.__name__ and not name.startswith("_") and name not in NOT_KEYS
+        for name, fn in inspect.getmembers(metric_keys, inspect.isfunction)
+        if fn.__module__ == metric_keys.__name__ and not name.startswith("_") and name not in NOT_KEYS
     }
 
 
@@ -81,33 +81,33 @@ def test_the_catalogue_and_the_builders_agree_both_ways():
 
 def test_keys_are_the_ones_recorded_runs_hold():
     """Byte for byte what runs logged before lab/metrics.py existed (MLflow stores and reports read them)."""
-    template = keys.suite_variant("template", "chatml")
+    template = metric_keys.suite_variant("template", "chatml")
     built = [
-        (keys.acceptance_length("in_dist", 3), "eval/in_dist/ref/k3/al"),
-        (keys.acceptance_length(template, 8, "vllm"), "eval/template.chatml/vllm/k8/al"),
-        (keys.accept_rate("in_dist", 3), "eval/in_dist/ref/k3/accept_rate"),
-        (keys.speedup("in_dist", 3), "eval/in_dist/ref/k3/speedup"),
-        (keys.throughput_speedup("in_dist", 3, 4), "eval/in_dist/vllm/k3/c4/speedup"),
-        (keys.rollout_accuracy(), "eval/in_dist/rollout/acc"),
-        (keys.drift("long_context.L1024", 8, "norm_growth"), "drift/long_context.L1024/k8/norm_growth"),
-        (keys.fc_share(), "drift/fc_share"),
-        (keys.vllm_worker("peak_rss_mb"), "eval/vllm/peak_rss_mb"),
-        (keys.vllm_startup_s(3), "eval/vllm/startup_k3_s"),
-        (keys.train_step_acc(2), "train/acc_2"),
-        (keys.train_stat("simulated_acc_len"), "train/simulated_acc_len"),
-        (keys.cache_stat("build_seconds"), "cache/build_seconds"),
-        (keys.stage_seconds("eval_in_dist"), "time/eval_in_dist_s"),
-        (keys.data_regen("generated_tokens"), "data/regen_generated_tokens"),
-        (keys.sweep_stat("cache_saving_share"), "sweep/cache_saving_share"),
+        (metric_keys.acceptance_length("in_dist", 3), "eval/in_dist/ref/k3/al"),
+        (metric_keys.acceptance_length(template, 8, "vllm"), "eval/template.chatml/vllm/k8/al"),
+        (metric_keys.accept_rate("in_dist", 3), "eval/in_dist/ref/k3/accept_rate"),
+        (metric_keys.speedup("in_dist", 3), "eval/in_dist/ref/k3/speedup"),
+        (metric_keys.throughput_speedup("in_dist", 3, 4), "eval/in_dist/vllm/k3/c4/speedup"),
+        (metric_keys.rollout_accuracy(), "eval/in_dist/rollout/acc"),
+        (metric_keys.drift("long_context.L1024", 8, "norm_growth"), "drift/long_context.L1024/k8/norm_growth"),
+        (metric_keys.fc_share(), "drift/fc_share"),
+        (metric_keys.vllm_worker("peak_rss_mb"), "eval/vllm/peak_rss_mb"),
+        (metric_keys.vllm_startup_s(3), "eval/vllm/startup_k3_s"),
+        (metric_keys.train_step_acc(2), "train/acc_2"),
+        (metric_keys.train_stat("simulated_acc_len"), "train/simulated_acc_len"),
+        (metric_keys.cache_stat("build_seconds"), "cache/build_seconds"),
+        (metric_keys.stage_seconds("eval_in_dist"), "time/eval_in_dist_s"),
+        (metric_keys.data_regen("generated_tokens"), "data/regen_generated_tokens"),
+        (metric_keys.sweep_stat("cache_saving_share"), "sweep/cache_saving_share"),
     ]
     assert [b for b, _ in built] == [recorded for _, recorded in built]
 
 
 def test_a_family_refuses_a_member_it_lacks():
     with pytest.raises(ValueError, match="no metric 'sink'.*sink_mass"):
-        keys.drift("in_dist", 3, "sink")  # type: ignore[arg-type]
+        metric_keys.drift("in_dist", 3, "sink")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no metric 'hf'"):
-        keys.acceptance_length("in_dist", 3, "hf")  # type: ignore[arg-type]
+        metric_keys.acceptance_length("in_dist", 3, "hf")  # type: ignore[arg-type]
 
 
 def test_a_config_names_only_backends_that_have_keys():
@@ -117,15 +117,15 @@ def test_a_config_names_only_backends_that_have_keys():
     from lab.composition import compose
     from lab.config import BACKENDS, ConfigError
 
-    for backend in {*get_args(keys.Backend), *BACKENDS, "sglang"}:
+    for backend in {*get_args(metric_keys.Backend), *BACKENDS, "sglang"}:
         try:
             taken = list(compose([f"eval.backends=[{backend}]"]).eval.backends) == [backend]
         except ConfigError as error:
             assert str(error).startswith("eval.backends"), error
             taken = False
-        assert taken == (backend in get_args(keys.Backend)), f"eval.backends=[{backend}]: composed {taken}"
+        assert taken == (backend in get_args(metric_keys.Backend)), f"eval.backends=[{backend}]: composed {taken}"
         if taken:
-            assert keys.acceptance_length("in_dist", 3, backend) == f"eval/in_dist/{backend}/k3/al"
+            assert metric_keys.acceptance_length("in_dist", 3, backend) == f"eval/in_dist/{backend}/k3/al"
 
 
 def test_imports_nothing_of_lab_and_nothing_heavy():
@@ -138,12 +138,12 @@ def test_imports_nothing_of_lab_and_nothing_heavy():
 
 
 def _suite_keys(suite: str, k: int, probes: bool) -> set[str]:
-    out = {keys.baseline_tokens_per_s(suite)}
-    out |= {f(suite, k) for f in (keys.acceptance_length, keys.accept_rate, keys.cond_accept_rate)}
-    out |= {keys.tokens_per_s(suite, k), keys.speedup(suite, k), keys.exact_match(suite, k)}
-    out |= {keys.draft_cost_ratio(suite, k), keys.chain_limit(suite, k)}
-    out |= {keys.verify_cost_ratio(suite, k), keys.verify_limit(suite, k)}
-    return out | ({keys.drift(suite, k, c) for c in get_args(keys.DriftCurve)} if probes else set())
+    out = {metric_keys.baseline_tokens_per_s(suite)}
+    out |= {f(suite, k) for f in (metric_keys.acceptance_length, metric_keys.accept_rate, metric_keys.cond_accept_rate)}
+    out |= {metric_keys.tokens_per_s(suite, k), metric_keys.speedup(suite, k), metric_keys.exact_match(suite, k)}
+    out |= {metric_keys.draft_cost_ratio(suite, k), metric_keys.chain_limit(suite, k)}
+    out |= {metric_keys.verify_cost_ratio(suite, k), metric_keys.verify_limit(suite, k)}
+    return out | ({metric_keys.drift(suite, k, c) for c in get_args(metric_keys.DriftCurve)} if probes else set())
 
 
 def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
@@ -161,13 +161,13 @@ def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
     prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7)]
     suite = Suite("mix", prompts, ["a", "b", "a"], max_new_tokens=6)
     logged = evaluate_suite_prompts(model, drafter, suite, [2], progress=False, probes=True).metrics
-    names = ["mix", keys.suite_variant("mix", "a"), keys.suite_variant("mix", "b")]
+    names = ["mix", metric_keys.suite_variant("mix", "a"), metric_keys.suite_variant("mix", "b")]
     assert set(logged) == set().union(*(_suite_keys(s, 2, probes=True) for s in names))
 
     target = SimpleNamespace(model=model, lm_head_weight=model.get_output_embeddings().weight)
     held = heldout_evaluation(target, drafter, Sequences(torch.randint(0, 100, (2, 16)), torch.ones(2, 16)), depth=3)
-    assert set(held.metrics) == {keys.rollout_accuracy("in_dist"), keys.fc_share()}
-    assert held.per_prompt["metric"] == keys.rollout_accuracy("in_dist")
+    assert set(held.metrics) == {metric_keys.rollout_accuracy("in_dist"), metric_keys.fc_share()}
+    assert held.per_prompt["metric"] == metric_keys.rollout_accuracy("in_dist")
 
 
 def _fake_vllm() -> ModuleType:
@@ -222,16 +222,21 @@ def test_the_vllm_worker_and_backend_log_the_builders_keys(tmp_path, monkeypatch
     result = json.loads((tmp_path / "result.json").read_text())
     logged = vllm_backend.metrics_from_result(result, [suite], temperature=0.0)
 
-    expected = {keys.vllm_worker(s) for s in get_args(keys.VllmWorkerStat)} | {keys.vllm_startup_s(k) for k in ks}
+    expected = {metric_keys.vllm_worker(s) for s in get_args(metric_keys.VllmWorkerStat)} | {
+        metric_keys.vllm_startup_s(k) for k in ks
+    }
     for k in ks:
-        for s in ["mix", keys.suite_variant("mix", "a"), keys.suite_variant("mix", "b")]:
-            expected |= {f(s, k, "vllm") for f in (keys.acceptance_length, keys.accept_rate, keys.cond_accept_rate)}
-        expected |= {keys.tokens_per_s("mix", k, "vllm"), keys.exact_match("mix", k, "vllm")}
+        for s in ["mix", metric_keys.suite_variant("mix", "a"), metric_keys.suite_variant("mix", "b")]:
+            expected |= {
+                f(s, k, "vllm")
+                for f in (metric_keys.acceptance_length, metric_keys.accept_rate, metric_keys.cond_accept_rate)
+            }
+        expected |= {metric_keys.tokens_per_s("mix", k, "vllm"), metric_keys.exact_match("mix", k, "vllm")}
         for c in cs:
-            expected |= {f("mix", k, c) for f in (keys.throughput_tokens_per_s, keys.throughput_speedup)}
-            expected.add(keys.throughput_baseline_tokens_per_s("mix", k, c))
+            expected |= {f("mix", k, c) for f in (metric_keys.throughput_tokens_per_s, metric_keys.throughput_speedup)}
+            expected.add(metric_keys.throughput_baseline_tokens_per_s("mix", k, c))
     assert set(logged) == expected
-    assert logged[keys.acceptance_length("mix", 2, "vllm")] == pytest.approx(1.5)  # 1 + 5 / 10
+    assert logged[metric_keys.acceptance_length("mix", 2, "vllm")] == pytest.approx(1.5)  # 1 + 5 / 10
 
 
 def test_the_trainer_logs_the_builders_keys():
@@ -239,6 +244,6 @@ def test_the_trainer_logs_the_builders_keys():
 
     window = [{"loss": 2.0, "plosses": [1.0, 1.5, 2.0], "accs": [0.5, 0.4, 0.3]}] * 2
     logged = _summarize(window, tokens_per_s=100.0, lr=1e-3)
-    expected = {keys.train_stat(s) for s in ("loss", "tokens_per_s", "lr", "simulated_acc_len")}
-    expected |= {f(i) for i in range(3) for f in (keys.train_step_loss, keys.train_step_acc)}
+    expected = {metric_keys.train_stat(s) for s in ("loss", "tokens_per_s", "lr", "simulated_acc_len")}
+    expected |= {f(i) for i in range(3) for f in (metric_keys.train_step_loss, metric_keys.train_step_acc)}
     assert set(logged) == expected

@@ -17,7 +17,7 @@ import optuna
 import pytest
 from mlflow.tracking import MlflowClient
 
-from lab.sweep import spec
+from lab.sweep import search_space
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def test_three_workers_on_postgres_survive_a_killed_worker(tmp_path, micro_overr
     worker = _lab("sweep", "worker", f"sweep={tmp_path / 'spec.yaml'}", "--no-progress", *extra)
     logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(3)]
     procs = [subprocess.Popen(worker, stdout=log, stderr=subprocess.STDOUT) for log in logs]
-    sweep = spec.load(str(tmp_path / "spec.yaml"))
+    sweep = search_space.load(str(tmp_path / "spec.yaml"))
     name = sweep.study_name(extra)
     victim = procs[0]
 

@@ -15,46 +15,45 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import default_sigint
+from helpers import default_sigint, hold_training
 
 from lab import track
 from lab.config import ConfigError, redact
-from lab.sweep import engine, experiment, queue, spec, storage
+from lab.sweep import engine, experiment, queue, search_space, storage
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.engine import launch
-from lab.sweep.spec import Sweep
-from lab.sweep.workers import WholeLines, helpers
-from lab.train.ttt import HOLD_ENV
+from lab.sweep.search_space import Sweep
+from lab.sweep.workers import WholeLines, worker_subprocesses
 
 FAST = ["train.steps=6", "eval.num_prompts=2"]
 
 
-@pytest.mark.parametrize("name", spec.available())
+@pytest.mark.parametrize("name", search_space.available())
 def test_every_shipped_sweep_composes(name, micro_overrides):
-    sweep = spec.load(name)
+    sweep = search_space.load(name)
     assert sweep.check([]) is not None  # the default target
     cfg = sweep.check(micro_overrides)  # and the micro one
     assert cfg.study == name and sweep.budget() >= 8
 
 
 def test_shipped_sweeps_cover_the_issue():
-    grid = spec.load("toggles_grid")
+    grid = search_space.load("toggles_grid")
     toggles = {p.name for p in grid.space}
     assert grid.is_grid and {"drafter.fc_norm", "drafter.norm_output", "drafter.norm_type"} <= toggles
     assert len(toggles) == 4 and grid.budget() == len(grid.points()) == 16
     for preset in ("eagle3", "eagle31"):
-        tpe = spec.load(f"tpe_{preset}")
+        tpe = search_space.load(f"tpe_{preset}")
         assert tpe.sampler["name"] == "tpe" and f"drafter={preset}" in tpe.overrides
         assert {p.name: p.kind for p in tpe.space} == {"train.lr": "float", "train.ttt_length": "int"}
         assert next(p for p in tpe.space if p.name == "train.lr").log and tpe.pruner["name"] == "median"
-    pareto = spec.load("pareto_al_drift")
+    pareto = search_space.load("pareto_al_drift")
     assert [o.direction for o in pareto.objectives] == ["maximize", "minimize"]
 
 
 def test_the_readme_example_spec_composes(tmp_path, micro_overrides):
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     example = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
-    sweep = spec.load(str(_write(tmp_path, "example", example)))
+    sweep = search_space.load(str(_write(tmp_path, "example", example)))
     assert {p.kind for p in sweep.space} == {"categorical", "float", "int", "bundle"}
     assert sweep.check(micro_overrides).eval.suites == ["in_dist", "long_context"]
 
@@ -67,7 +66,7 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 GOOD = "space: {train.lr: [1]}\nobjectives: [x]\n"
 SEEDS = "expected a non-empty list of distinct integers in 0..4294967295"  # the schema's seed rule
-# (the spec, the key named after the file, the rest of the one line); the schema is lab/sweep/schema.py's SweepSpec
+# (the spec, the key named after the file, the rest of the one line); the schema is lab/sweep/spec_schema.py's SweepSpec
 BAD_SPECS = [
     # unknown keys
     (GOOD + "samplr: tpe\n", "samplr", "unknown key; allowed: description, grace_s, heartbeat_s, max_retry"),
@@ -135,7 +134,7 @@ BAD_SPECS = [
 def test_bad_specs_fail_with_one_line_naming_the_file_and_key(tmp_path, text, key, message):
     path = _write(tmp_path, "bad", text)
     with pytest.raises(ConfigError) as info:
-        spec.load(str(path))
+        search_space.load(str(path))
     line = str(info.value)
     assert "\n" not in line
     assert line.startswith(f"{path}: {key}: " if key else f"{path}: "), line
@@ -143,7 +142,7 @@ def test_bad_specs_fail_with_one_line_naming_the_file_and_key(tmp_path, text, ke
 
 
 EXPERIMENT = "arms:\n  a: {label: A, overrides: [drafter=eagle3]}\n  b: {overrides: [drafter=eagle31]}\n"
-# the same for experiments (lab/sweep/schema.py's ExperimentSpec)
+# the same for experiments (lab/sweep/spec_schema.py's ExperimentSpec)
 BAD_EXPERIMENTS = [
     (
         EXPERIMENT + "seed: [1]\n",
@@ -189,25 +188,25 @@ def test_a_good_experiment_takes_the_schemas_defaults(tmp_path):
 
 def test_bad_points_and_objectives_fail_before_any_run(tmp_path, micro_overrides):
     with pytest.raises(ConfigError, match="unknown sweep 'nope'; available: pareto_al_drift"):
-        spec.load("nope")
+        search_space.load("nope")
     path = _write(tmp_path, "s", "space: {drafter.fc_norm: [none, both]}\nobjectives: [eval/in_dist/ref/k3/al]\n")
     with pytest.raises(ConfigError, match="point 'fc_norm=both': drafter.fc_norm"):
-        spec.load(str(path)).check(micro_overrides)
+        search_space.load(str(path)).check(micro_overrides)
     path = _write(tmp_path, "s", "space: {train.lr: [0.001]}\nobjectives: [eval/long_context/ref/k3/al]\n")
     with pytest.raises(ConfigError, match="needs suite 'long_context' in eval.suites"):
-        spec.load(str(path)).check(micro_overrides)
+        search_space.load(str(path)).check(micro_overrides)
     path = _write(tmp_path, "s", "space: {train.lr: [0.001]}\nobjectives: [drift/in_dist/k9/sink_mass]\n")
     with pytest.raises(ConfigError, match="needs k=9 in eval.num_speculative_tokens"):
-        spec.load(str(path)).check(micro_overrides)
+        search_space.load(str(path)).check(micro_overrides)
     with pytest.raises(ConfigError, match="train.lr: swept by"):
-        spec.load(str(path)).check([*micro_overrides, "train.lr=0.1"])
+        search_space.load(str(path)).check([*micro_overrides, "train.lr=0.1"])
     path = _write(tmp_path, "s", "space: {train.lr: [0.001]}\nobjectives: [x]\nseeds: [0, 1]\ntrials: 3\n")
     with pytest.raises(ConfigError, match="use a multiple of 2"):
-        spec.load(str(path)).budget()
+        search_space.load(str(path)).budget()
 
 
 def test_study_identity_ignores_budget_and_placement():
-    sweep = spec.load("tpe_eagle3")
+    sweep = search_space.load("tpe_eagle3")
     key = sweep.key(["profile=micro"])
     assert sweep.key(["profile=micro", "threads=1", "tracking.uri=sqlite:///x.db"]) == key
     assert sweep.key(["profile=micro", "train.steps=9"]) != key
@@ -288,7 +287,7 @@ def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tm
         "space: {drafter.fc_norm: [none, per_layer]}\nsampler: grid\nseeds: [0, 1]\n"
         "objectives: [eval/in_dist/ref/k3/al]\n",
     )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     first = _launch(sweep, extra)
     assert first.counts["complete"] == 4 and first.ran == 4
     study = _study(sweep, extra)
@@ -310,7 +309,9 @@ def test_grid_covers_every_point_and_seed_once_then_resumes_without_rerunning(tm
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_helpers_start_after_the_shared_caches_are_warm_on_every_core(tmp_path, micro_overrides, monkeypatch, workers):
+def test_worker_subprocesses_start_after_the_shared_caches_are_warm_on_every_core(
+    tmp_path, micro_overrides, monkeypatch, workers
+):
     """With workers beside it, the launcher first builds the first trial's caches on every core (`threads`
     unset), then starts them on their shares; a lone worker builds them in its own trial."""
     calls: list[tuple] = []
@@ -319,18 +320,20 @@ def test_helpers_start_after_the_shared_caches_are_warm_on_every_core(tmp_path, 
         pass
 
     def started(worker_args, extra, threads, count, log, gpus=None):
-        calls.append(("helpers", threads, count))
+        calls.append(("worker_subprocesses", threads, count))
         raise Started
 
     monkeypatch.setattr(engine, "warm_caches", lambda cfg, progress: calls.append(("warm", cfg.threads)) or {})
-    monkeypatch.setattr(engine, "helpers", started)
+    monkeypatch.setattr(engine, "worker_subprocesses", started)
     spec_text = "space: {train.lr: [1.0e-3, 2.0e-3]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
-    sweep = spec.load(str(_write(tmp_path, "warm", spec_text)))
+    sweep = search_space.load(str(_write(tmp_path, "warm", spec_text)))
     extra = [o for o in _store(tmp_path, micro_overrides) if not o.startswith("threads=")]
     with pytest.raises(Started):
         _launch(sweep, extra, workers=workers)
     share = max(1, (os.cpu_count() or 1) // 2)
-    assert calls == ([("helpers", None, 0)] if workers == 1 else [("warm", None), ("helpers", share, 1)])
+    assert calls == (
+        [("worker_subprocesses", None, 0)] if workers == 1 else [("warm", None), ("worker_subprocesses", share, 1)]
+    )
 
 
 @pytest.mark.slow
@@ -342,7 +345,7 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
         "sampler: {name: random, seed: 0}\ntrials: 6\nobjectives:\n  - eval/in_dist/ref/k3/al\n"
         "  - {metric: drift/in_dist/k3/norm_growth, direction: minimize}\n",
     )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     result = _launch(sweep, extra, workers=2)
     study = _study(sweep, extra)
     assert result.counts["complete"] == 6 and len(study.trials) == 6
@@ -355,8 +358,8 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
 
 
 def test_lines_printed_from_two_threads_at_once_never_run_together():
-    """The launcher prints its worker's stage lines while its helpers' lines are forwarded from other threads:
-    a line that one thread writes in pieces still comes out whole, and a piece left without its newline
+    """The launcher prints its worker's stage lines while its worker subprocesses' lines are forwarded from
+    other threads: a line that one thread writes in pieces still comes out whole, and a piece left without its newline
     ends on a line of its own."""
     out = io.StringIO()
     lines = WholeLines(out)
@@ -384,8 +387,8 @@ def test_lines_printed_from_two_threads_at_once_never_run_together():
     assert out.getvalue().splitlines()[-1] == "[w0] left without a newline"
 
 
-def test_helpers_send_the_launchers_stdout_through_whole_lines(capsys):
-    with helpers(["--help"], [], None, 1, print):
+def test_worker_subprocesses_send_the_launchers_stdout_through_whole_lines(capsys):
+    with worker_subprocesses(["--help"], [], None, 1, print):
         assert isinstance(sys.stdout, WholeLines)
         print("[w0] a stage line")
     printed = capsys.readouterr().out.splitlines()
@@ -402,7 +405,7 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
         "space: {train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}}\nsampler: {name: tpe, seed: 0}\n"
         "trials: 4\nobjectives: [eval/in_dist/ref/k3/al]\n",
     )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
     log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -448,7 +451,7 @@ def test_a_clearly_worse_trial_is_pruned(tmp_path, micro_overrides):
         "objectives: [eval/in_dist/ref/k3/al]\n",
     )
     extra = [*_store(tmp_path, micro_overrides), "train.steps=40", "train.log_every=5"]
-    sweep = spec.load(str(path))
+    sweep = search_space.load(str(path))
     result = _launch(sweep, extra)
     good, bad = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
     assert good.state.name == "COMPLETE" and bad.state.name == "PRUNED" and result.counts["pruned"] == 1
@@ -468,7 +471,7 @@ def test_an_rdb_storage_by_override_holds_the_study(tmp_path, micro_overrides):
         tmp_path, "rdb", "space: {train.lr: [0.003, 0.005]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )
     url = f"sqlite:///{tmp_path / 'optuna.db'}"  # any SQLAlchemy URL: postgresql://... the same way
-    sweep, extra = spec.load(str(path)), [*_store(tmp_path, micro_overrides), f"tracking.optuna_storage={url}"]
+    sweep, extra = search_space.load(str(path)), [*_store(tmp_path, micro_overrides), f"tracking.optuna_storage={url}"]
     result = _launch(sweep, extra)
     assert result.storage == url and result.counts["complete"] == 2
     study = optuna.load_study(study_name=result.study_name, storage=url)
@@ -479,7 +482,7 @@ def test_an_rdb_storage_by_override_holds_the_study(tmp_path, micro_overrides):
 def _queued(tmp_path: Path, micro_overrides: list[str], text: str) -> tuple[Sweep, list[str], storage.Session]:
     """A grid sweep's study (`text` adds to the grid and its objective) with its slots queued, none taken."""
     path = _write(tmp_path, "queued", text + "sampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n")
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     s = storage.open_session(sweep, extra, sweep.check(extra), create=True)
     queue.top_up(s, sweep.budget())
     return sweep, extra, s
@@ -522,7 +525,7 @@ def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
         "space: {train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}}\nsampler: {name: random, seed: 0}\n"
         "seeds: [0, 1]\ntrials: 4\nobjectives: [eval/in_dist/ref/k3/al]\n",
     )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     result = _launch(sweep, extra)
     study = _study(sweep, extra)
     trials = study.trials
@@ -538,12 +541,12 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     path = _write(
         tmp_path, "ctrlc", "space: {train.lr: [0.003, 0.005]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )
-    sweep, extra = spec.load(str(path)), [*_store(tmp_path, micro_overrides), "train.steps=40"]
+    sweep, extra = search_space.load(str(path)), [*_store(tmp_path, micro_overrides), "train.steps=40"]
     cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
     log, held = tmp_path / "ctrlc.log", tmp_path / "held"
     # the first trial's training waits after step 5 until interrupted: the interrupt lands mid-training however
-    # fast the machine is (lab.train.ttt.HOLD_ENV)
-    env = {**os.environ, HOLD_ENV: f"5:{held}"}
+    # fast the machine is (tests/hold/sitecustomize.py)
+    env = hold_training(dict(os.environ), 5, held)
     proc = subprocess.Popen(
         cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env, preexec_fn=default_sigint
     )
@@ -576,7 +579,7 @@ def test_a_non_finite_loss_fails_its_trial_with_the_reason_and_the_sweep_goes_on
     path = _write(
         tmp_path, "nan", "space: {train.lr: [1.0e30, 0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )
-    sweep, extra = spec.load(str(path)), _store(tmp_path, micro_overrides)
+    sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     result = _launch(sweep, extra)
     blown, good = sorted(_study(sweep, extra).trials, key=lambda t: t.number)
     assert (blown.state.name, good.state.name) == ("FAIL", "COMPLETE") and result.counts["failed"] == 1
@@ -592,7 +595,7 @@ def test_queue_only_then_a_worker_finishes_the_study_and_ends_its_parent(tmp_pat
     path = _write(
         tmp_path, "queue", "space: {train.lr: [0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )
-    sweep = spec.load(str(path))
+    sweep = search_space.load(str(path))
     # without threads=: the queue-only launch divides no cores among its zero workers
     extra = [o for o in _store(tmp_path, micro_overrides) if not o.startswith("threads=")]
     queued = _launch(sweep, extra, workers=0)

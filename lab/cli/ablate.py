@@ -21,10 +21,10 @@ from lab.cli.common import (
 )
 from lab.composition import compose
 from lab.config import redact
-from lab.sweep.schema import MAX_TRIALS
+from lab.sweep.spec_schema import MAX_TRIALS
 
 if TYPE_CHECKING:
-    from lab.sweep.spec import Sweep
+    from lab.sweep.search_space import Sweep
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -79,13 +79,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     another process or machine (same storage, same overrides). The storage is a journal file beside the MLflow
     database, or tracking.optuna_storage=URL (e.g. PostgreSQL).
     """
-    from lab.sweep import spec
+    from lab.sweep import search_space
 
     worker, overrides = worker_mode(args.overrides)
     if worker:
         worker_options(args, "sweep")
-    name, extra = named(overrides, "sweep", "lab sweep sweep=toggles_grid", spec.available())
-    sweep = spec.load(name)
+    name, extra = named(overrides, "sweep", "lab sweep sweep=toggles_grid", search_space.available())
+    sweep = search_space.load(name)
     _study_reachable(sweep, extra, every_point=not worker)
     if not worker:
         sweep.budget(args.trials)

@@ -102,9 +102,7 @@ def cmd_torchspec_config(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # an arm TorchSpec cannot train: say which arm
         if args.experiment is None:
             raise
-        # ConfigError has no field for its message alone yet: its text less the "KEY: " it starts with
-        message = str(exc).removeprefix(f"{exc.key}: ")
-        raise ConfigError(f"experiments/{args.experiment}.yaml arm '{args.arm}': {exc.key}", message) from None
+        raise ConfigError(f"experiments/{args.experiment}.yaml arm '{args.arm}': {exc.key}", exc.message) from None
     spec, t = result.spec, cfg.train
     print(f"TorchSpec training config: {result.train_yaml}")
     print(f"draft model config:        {result.draft_json}")

@@ -110,12 +110,12 @@ def studies() -> dict[str, str]:
     import typing
 
     from lab.config import Config
-    from lab.sweep import experiment, spec
+    from lab.sweep import experiment, search_space
 
     hints = typing.get_type_hints(Config)
     top = [name for name, tp in hints.items() if not dataclasses.is_dataclass(tp) and typing.get_origin(tp) is not dict]
     return {
         "experiments": " ".join(experiment.available()),
-        "sweeps": " ".join(spec.available()),
+        "sweeps": " ".join(search_space.available()),
         "top_level": " ".join(top),
     }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.cli.common import Verb, fail, overrides_only, reachable
 from lab.composition import compose
 from lab.preflight import check_paths, check_target, preflight
@@ -47,9 +47,9 @@ def _headline_keys(cfg: DictConfig) -> set[str]:
     e, shown = cfg.eval, set()
     for suite in e.suites:
         for k in e.num_speculative_tokens:
-            shown |= {keys.acceptance_length(suite, k, backend) for backend in e.backends}
-            shown |= {keys.speedup(suite, k), keys.chain_limit(suite, k)}
-            shown |= {keys.throughput_speedup(suite, k, c) for c in e.vllm.concurrency}
+            shown |= {metric_keys.acceptance_length(suite, k, backend) for backend in e.backends}
+            shown |= {metric_keys.speedup(suite, k), metric_keys.chain_limit(suite, k)}
+            shown |= {metric_keys.throughput_speedup(suite, k, c) for c in e.vllm.concurrency}
     return shown
 
 

@@ -75,7 +75,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
     for rule in (INPUT_JOURNAL, INPUT_SQLITE):  # a journal or SQLite file read before Optuna opens it
         if (path := rule.path(url)) is not None:
             check_content(key, rule, path)
-    storage = dashboard.open_storage(url, key)
+    storage = dashboard.read_studies(url, key)
     study = sweep.study_name(extra) if sweep is not None else None
     if study is not None and study not in storage.studies:
         held = ", ".join(sorted(storage.studies))

@@ -64,11 +64,11 @@ def cmd_study_export(args: argparse.Namespace) -> int:
         )
     url = None
     if args.with_optuna:
-        from lab.sweep.dashboard import open_storage
+        from lab.sweep.dashboard import read_studies
         from lab.sweep.storage import storage_url
 
         url = storage_url(cfg)
-        held = open_storage(url, "--with-optuna").studies
+        held = read_studies(url, "--with-optuna").studies
         if study_name not in held:
             raise ConfigError(
                 "--with-optuna",

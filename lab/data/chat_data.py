@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from omegaconf import DictConfig
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.config import MIN_ASSISTANT_ROOM, ConfigError, DataSource
 from lab.data import conversations as convs
 from lab.data.regenerate import regenerate
@@ -104,7 +104,9 @@ def chat_data(
             dtype=dtype,
         )
         train, heldout = result.conversations[: len(train)], result.conversations[len(train) :]
-        stats.update({keys.data_regen(k): float(v) for k, v in result.stats.items() if isinstance(v, (int, float))})
+        stats.update(
+            {metric_keys.data_regen(k): float(v) for k, v in result.stats.items() if isinstance(v, (int, float))}
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_seqs, lengths = to_sequences(train, chat, dcfg.seq_len, pad)
     if dcfg.token_budget is not None:
@@ -114,9 +116,9 @@ def chat_data(
         train_seqs, lengths = train_seqs[:keep], lengths[:keep]
     stats.update(
         {
-            keys.data_stat("train_sequences"): float(len(train_seqs)),
-            keys.data_stat("train_tokens"): float(sum(lengths)),
-            keys.data_stat("train_assistant_tokens"): float(train_seqs.loss_mask.sum()),
+            metric_keys.data_stat("train_sequences"): float(len(train_seqs)),
+            metric_keys.data_stat("train_tokens"): float(sum(lengths)),
+            metric_keys.data_stat("train_assistant_tokens"): float(train_seqs.loss_mask.sum()),
         }
     )
     return ChatData(train_seqs, to_sequences(heldout, chat, dcfg.seq_len, pad)[0], heldout, chat, stats)

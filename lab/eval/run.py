@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.data.cache import HeldoutStates, capture_heldout
 from lab.data.suites import Suite
 from lab.data.text import Sequences
@@ -101,7 +101,7 @@ def evaluate_suite_prompts(
     metrics = total.metrics(suite.name, temperature)
     if len(results) > 1:
         for variant, tally in results.items():
-            metrics.update(tally.metrics(keys.suite_variant(suite.name, variant), temperature))
+            metrics.update(tally.metrics(metric_keys.suite_variant(suite.name, variant), temperature))
     per_prompt = {
         "format": PER_PROMPT_FORMAT,
         "suite": suite.name,
@@ -133,26 +133,26 @@ class _Tally:
                 self.drift[k].merge(other.drift[k])
 
     def metrics(self, name: str, temperature: float) -> Metrics:
-        out: Metrics = {keys.baseline_tokens_per_s(name): self.base_tokens / self.base_seconds}
+        out: Metrics = {metric_keys.baseline_tokens_per_s(name): self.base_tokens / self.base_seconds}
         # the target's cost per decoded token: its decoding without the prefill (the first token comes from it)
         target_per_token = (self.base_seconds - self.base_prefill_seconds) / max(1, self.base_tokens - self.prompts)
         for k, st in self.stats.items():
-            out[keys.acceptance_length(name, k)] = st.acceptance_length
-            out[keys.accept_rate(name, k)] = st.accept_rate
-            out[keys.cond_accept_rate(name, k)] = st.conditional_accept_rate
-            out[keys.tokens_per_s(name, k)] = st.generated / st.seconds
-            out[keys.speedup(name, k)] = self.base_seconds / st.seconds
+            out[metric_keys.acceptance_length(name, k)] = st.acceptance_length
+            out[metric_keys.accept_rate(name, k)] = st.accept_rate
+            out[metric_keys.cond_accept_rate(name, k)] = st.conditional_accept_rate
+            out[metric_keys.tokens_per_s(name, k)] = st.generated / st.seconds
+            out[metric_keys.speedup(name, k)] = self.base_seconds / st.seconds
             c = st.draft_cost_ratio(k, target_per_token)
-            out[keys.draft_cost_ratio(name, k)] = c
-            out[keys.chain_limit(name, k)] = st.acceptance_length / (1 + k * c)
+            out[metric_keys.draft_cost_ratio(name, k)] = c
+            out[metric_keys.chain_limit(name, k)] = st.acceptance_length / (1 + k * c)
             # verifying k + 1 tokens costs more than one decode step: the part of the gap that is not overhead
             v = st.verify_cost_ratio(target_per_token)
-            out[keys.verify_cost_ratio(name, k)] = v
-            out[keys.verify_limit(name, k)] = st.acceptance_length / (v + k * c)
+            out[metric_keys.verify_cost_ratio(name, k)] = v
+            out[metric_keys.verify_limit(name, k)] = st.acceptance_length / (v + k * c)
             if temperature == 0:  # sampled outputs differ from the baseline's samples by design
-                out[keys.exact_match(name, k)] = self.matches[k] / self.prompts
+                out[metric_keys.exact_match(name, k)] = self.matches[k] / self.prompts
             if k in self.drift:
-                out.update({keys.drift(name, k, c): v for c, v in self.drift[k].curves().items()})
+                out.update({metric_keys.drift(name, k, c): v for c, v in self.drift[k].curves().items()})
         return out
 
 
@@ -179,8 +179,8 @@ def heldout_evaluation(
         aux, top = states.aux.to(device), states.top.to(device)
     with autocast(device, dtype):  # the drafter in the target's dtype, as the reference decoder runs it
         hits, counted = rollout_counts(drafter, input_ids, aux, top, depth, loss_mask)
-    key = keys.rollout_accuracy(suite)
-    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), keys.fc_share(): fc_share(drafter, aux)}
+    key = metric_keys.rollout_accuracy(suite)
+    metrics: Metrics = {key: pooled_rollout_accuracy(hits, counted), metric_keys.fc_share(): fc_share(drafter, aux)}
     sequences = [
         {"index": i, "id": prompt_id(ids), "hits": h, "counted": c}
         for i, (ids, h, c) in enumerate(

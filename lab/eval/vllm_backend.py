@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
 from lab.eval.reference import DecodeStats
@@ -87,7 +87,7 @@ def evaluate(
             raise VllmError(f"vLLM worker exited with {returncode}: {last_error_line(log_path)} (log: {log_path})")
         result = json.loads(result_path.read_text())
     metrics = metrics_from_result(result, suites, eval_cfg.temperature)
-    metrics[keys.stage_seconds("vllm")] = time.perf_counter() - start
+    metrics[metric_keys.stage_seconds("vllm")] = time.perf_counter() - start
     return metrics
 
 
@@ -103,16 +103,16 @@ def metrics_from_result(result: dict, suites: list[Suite], temperature: float = 
                 seconds += counts["seconds"]
                 tokens += stats.generated
                 if len(variants) > 1:
-                    out.update(_al_metrics(keys.suite_variant(suite.name, variant), k, stats))
+                    out.update(_al_metrics(metric_keys.suite_variant(suite.name, variant), k, stats))
             out.update(_al_metrics(suite.name, k, pooled))
-            out[keys.tokens_per_s(suite.name, k, "vllm")] = tokens / seconds
+            out[metric_keys.tokens_per_s(suite.name, k, "vllm")] = tokens / seconds
             if temperature == 0:
-                out[keys.exact_match(suite.name, k, "vllm")] = res["exact_match"]
+                out[metric_keys.exact_match(suite.name, k, "vllm")] = res["exact_match"]
             for c, t in res["throughput"].items():
                 spec_tps, base_tps = t["spec_tokens"] / t["spec_s"], t["baseline_tokens"] / t["baseline_s"]
-                out[keys.throughput_tokens_per_s(suite.name, k, c)] = spec_tps
-                out[keys.throughput_baseline_tokens_per_s(suite.name, k, c)] = base_tps
-                out[keys.throughput_speedup(suite.name, k, c)] = spec_tps / base_tps
+                out[metric_keys.throughput_tokens_per_s(suite.name, k, c)] = spec_tps
+                out[metric_keys.throughput_baseline_tokens_per_s(suite.name, k, c)] = base_tps
+                out[metric_keys.throughput_speedup(suite.name, k, c)] = spec_tps / base_tps
     return out
 
 
@@ -127,9 +127,9 @@ def _stats(counts: dict) -> DecodeStats:
 
 def _al_metrics(suite: str, k: int, stats: DecodeStats) -> Metrics:
     return {
-        keys.acceptance_length(suite, k, "vllm"): stats.acceptance_length,
-        keys.accept_rate(suite, k, "vllm"): stats.accept_rate,
-        keys.cond_accept_rate(suite, k, "vllm"): stats.conditional_accept_rate,
+        metric_keys.acceptance_length(suite, k, "vllm"): stats.acceptance_length,
+        metric_keys.accept_rate(suite, k, "vllm"): stats.accept_rate,
+        metric_keys.cond_accept_rate(suite, k, "vllm"): stats.conditional_accept_rate,
     }
 
 

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Any
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 
 PROGRESS = "[lab-vllm]"
 COUNTERS = {
@@ -100,7 +100,7 @@ def run(job: dict) -> dict:
 
     t0 = time.perf_counter()
     base = LLM(model=job["target"], **engine)
-    timings[keys.vllm_worker("startup_baseline_s")] = up_s = time.perf_counter() - t0
+    timings[metric_keys.vllm_worker("startup_baseline_s")] = up_s = time.perf_counter() - t0
     say(f"target engine up in {up_s:.0f}s")
     warm_up(base)
     reference = {s["name"]: generate(base, s["prompts"], s["stop_ids"])[0] for s in job["suites"]}
@@ -113,7 +113,7 @@ def run(job: dict) -> dict:
             speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k},
             **engine,
         )
-        timings[keys.vllm_startup_s(k)] = up_s = time.perf_counter() - t0
+        timings[metric_keys.vllm_startup_s(k)] = up_s = time.perf_counter() - t0
         say(f"k={k}: speculative engine up in {up_s:.0f}s")
         warm_up(spec)
         for suite in job["suites"]:
@@ -168,9 +168,11 @@ def main(argv: list[str]) -> int:
     configure_environment(job)
     start = time.perf_counter()
     result = run(job)
-    result["timings"][keys.vllm_worker("total_s")] = time.perf_counter() - start
+    result["timings"][metric_keys.vllm_worker("total_s")] = time.perf_counter() - start
     # the worker's peak resident memory (Linux reports KiB): both engines, their KV caches, the models
-    result["timings"][keys.vllm_worker("peak_rss_mb")] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["timings"][metric_keys.vllm_worker("peak_rss_mb")] = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
     with open(argv[1], "w") as f:
         json.dump(result, f)
     return 0

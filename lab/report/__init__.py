@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.config import ConfigError
 from lab.fsutil import staged_output
@@ -58,7 +58,7 @@ def _provenance(study: Study, command: str) -> list[str]:
     runs = study.runs + study.left_out
     commits = sorted({r.data.tags.get("git_commit", "unknown") for r in study.runs})
     hashes = sorted({r.data.tags.get("config_hash", "?") for r in study.runs})
-    val_loss = keys.target_val_loss()
+    val_loss = metric_keys.target_val_loss()
     val = sorted({f"{r.data.metrics[val_loss]:.3f}" for r in study.runs if val_loss in r.data.metrics})
     # a pretrained (converted) target is not trained here, so no run measured its validation loss
     loss = f"validation loss {', '.join(val)}" if val else "pretrained, no validation loss here"

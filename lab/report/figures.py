@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from lab import metrics as keys  # noqa: E402
+from lab import metrics as metric_keys  # noqa: E402
 from lab.fsutil import atomic_file  # noqa: E402
 from lab.report import paired  # noqa: E402
 from lab.report.study import Arm, Study  # noqa: E402
@@ -147,10 +147,10 @@ def al_vs_depth(study: Study) -> tuple[plt.Figure, str]:
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            implied = [list(1 + np.cumsum(c)) for c in study.curves(arm, keys.accept_rate(s, k, b))]
+            implied = [list(1 + np.cumsum(c)) for c in study.curves(arm, metric_keys.accept_rate(s, k, b))]
             _band(ax, list(range(1, k + 1)), implied, i, arm.label)
             for kk in study.ks:
-                v = study.scalars(arm, keys.acceptance_length(s, kk, b))
+                v = study.scalars(arm, metric_keys.acceptance_length(s, kk, b))
                 if v:
                     ax.errorbar(
                         kk,
@@ -180,7 +180,7 @@ def accept_rate(study: Study) -> tuple[plt.Figure, str]:
 
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
-        key = keys.accept_rate(s, k, b)
+        key = metric_keys.accept_rate(s, k, b)
         for i, arm in enumerate(study.arms):
             if b == "ref":  # the per-prompt records are the reference decoder's
                 _curve(ax, study, arm, s, k, at, paired.share, key, i)
@@ -205,7 +205,7 @@ def sink_self_mass(study: Study) -> tuple[plt.Figure, str]:
                 return paired.drift_counts(doc, k, step, curve)
 
             for i, arm in enumerate(study.arms):
-                _curve(ax, study, arm, s, k, at, paired.share, keys.drift(s, k, f"{curve}_mass"), i)
+                _curve(ax, study, arm, s, k, at, paired.share, metric_keys.drift(s, k, f"{curve}_mass"), i)
             ax.set_title(s if row == 0 else "")
             ax.set_xlabel("drafting step" if row == 1 else "")
             if col == 0:
@@ -227,7 +227,7 @@ def norm_growth(study: Study) -> tuple[plt.Figure, str]:
     fig, axes = _panels(len(study.suites))
     for ax, s in zip(axes[0], study.suites, strict=True):
         for i, arm in enumerate(study.arms):
-            _curve(ax, study, arm, s, k, at, paired.norm_growth, keys.drift(s, k, "norm_growth"), i)
+            _curve(ax, study, arm, s, k, at, paired.norm_growth, metric_keys.drift(s, k, "norm_growth"), i)
         ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
         ax.set_title(s)
         ax.set_xlabel("drafting step")
@@ -250,7 +250,7 @@ def al_vs_context(study: Study) -> tuple[plt.Figure, str] | None:
     x = [_length(v) for v in variants]
     for ax, k in zip(axes[0], study.ks, strict=True):
         for i, arm in enumerate(study.arms):
-            al = [keys.acceptance_length(keys.suite_variant(s, v), k, b) for v in variants]
+            al = [metric_keys.acceptance_length(metric_keys.suite_variant(s, v), k, b) for v in variants]
             per_seed = [[r.data.metrics.get(key, np.nan) for key in al] for r in arm.runs]
             _band(ax, x, per_seed, i, arm.label)
         ax.set_xscale("log", base=2)
@@ -275,8 +275,8 @@ def al_per_template(study: Study) -> tuple[plt.Figure, str] | None:
     for ax, k in zip(axes[0], study.ks, strict=True):
 
         def value(arm: Arm, group: str, k: int = k) -> list[float]:
-            suite = "in_dist" if group.endswith("(trained)") else keys.suite_variant(s, group)
-            return study.scalars(arm, keys.acceptance_length(suite, k, b))
+            suite = "in_dist" if group.endswith("(trained)") else metric_keys.suite_variant(s, group)
+            return study.scalars(arm, metric_keys.acceptance_length(suite, k, b))
 
         _bars(ax, groups, study, value)
         ax.set_title(f"k={k}")
@@ -286,7 +286,7 @@ def al_per_template(study: Study) -> tuple[plt.Figure, str] | None:
 
 
 def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
-    pattern = re.compile("^" + keys.throughput_speedup(r"([^/.]+)", r"(\d+)", r"(\d+)") + "$")  # suite, k, C
+    pattern = re.compile("^" + metric_keys.throughput_speedup(r"([^/.]+)", r"(\d+)", r"(\d+)") + "$")  # suite, k, C
     found = sorted({m.groups() for r in study.runs for key in r.data.metrics if (m := pattern.match(key))})
     if not found:
         return None
@@ -297,7 +297,7 @@ def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
     for ax, k in zip(axes[0], ks, strict=True):
 
         def value(arm: Arm, group: str, k: int = k) -> list[float]:
-            return study.scalars(arm, keys.throughput_speedup(suite, k, int(group[2:])))
+            return study.scalars(arm, metric_keys.throughput_speedup(suite, k, int(group[2:])))
 
         _bars(ax, [f"C={c}" for c in cs], study, value)
         ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
@@ -309,7 +309,7 @@ def vllm_speedup(study: Study) -> tuple[plt.Figure, str] | None:
 
 
 def rollout_acc(study: Study) -> tuple[plt.Figure, str] | None:
-    key = keys.rollout_accuracy("in_dist")
+    key = metric_keys.rollout_accuracy("in_dist")
     if not study.has(key):
         return None
     fig, axes = _panels(1)
@@ -324,7 +324,7 @@ def rollout_acc(study: Study) -> tuple[plt.Figure, str] | None:
 
 
 def fc_share(study: Study) -> tuple[plt.Figure, str] | None:
-    key = keys.fc_share()
+    key = metric_keys.fc_share()
     if not study.has(key):
         return None
     layers = max(len(c) for arm in study.arms for c in study.curves(arm, key))

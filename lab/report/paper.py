@@ -17,7 +17,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.report import paired
 from lab.report.study import Study
 
@@ -78,7 +78,7 @@ def beyond_ttt(arm: str) -> Callable[[Study], list[Row]]:
         ttt = _ttt(study, arm)
         out = _al(study, ["in_dist"], [k for k in study.ks if k > ttt])
         deepest = min(
-            (len(c) for a in study.arms for c in study.curves(a, keys.rollout_accuracy("in_dist"))), default=0
+            (len(c) for a in study.arms for c in study.curves(a, metric_keys.rollout_accuracy("in_dist"))), default=0
         )
         for d in sorted({d for d in (2 * ttt, 3 * ttt, deepest) if ttt < d <= deepest}):
             out.append(
@@ -261,12 +261,12 @@ def _budget(study: Study, arm_names: list[str]) -> str:
             f"target {params.get('target.name', '?')}, {params.get('data.num_sequences', '?')} training "
             f"conversations, {params.get('train.steps', '?')} steps of {batch} sequence{'' if batch == '1' else 's'}"
         )
-    acc = keys.train_step_acc(0)
+    acc = metric_keys.train_step_acc(0)
     for arm in study.arms:
         if arm.name not in arm_names or not arm.runs:
             continue
         agreement = [r.data.metrics[acc] for r in arm.runs if acc in r.data.metrics]
-        al = study.scalars(arm, keys.acceptance_length(study.suites[0], study.ks[0], study.backend))
+        al = study.scalars(arm, metric_keys.acceptance_length(study.suites[0], study.ks[0], study.backend))
         said = (
             [f"{arm.label}: top-1 agreement {statistics.mean(agreement):.2f} on its last training batches"]
             if agreement

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 
 
@@ -68,8 +68,8 @@ class Study:
         """The suite's variants (templates, context lengths, system prompts) the runs logged, in a
         natural order (L256 before L1024)."""
         # every variant logs its AL at every k: the variant and k of those keys as a pattern
-        variant = re.escape(keys.suite_variant(suite, "")) + "([^/]+)"
-        pattern = re.compile("^" + keys.acceptance_length(variant, r"\d+", self.backend) + "$")
+        variant = re.escape(metric_keys.suite_variant(suite, "")) + "([^/]+)"
+        pattern = re.compile("^" + metric_keys.acceptance_length(variant, r"\d+", self.backend) + "$")
         found = {m.group(1) for r in self.runs for k in r.data.metrics if (m := pattern.match(k))}
         return sorted(found, key=lambda v: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", v)])
 
@@ -107,7 +107,7 @@ class Study:
     @property
     def has_drift(self) -> bool:
         """Whether the runs recorded the drift probes (eval.probes)."""
-        return bool(self.runs) and self.has(keys.drift(self.suites[0], self.ks[-1], "sink_mass"))
+        return bool(self.runs) and self.has(metric_keys.drift(self.suites[0], self.ks[-1], "sink_mass"))
 
     def gaps(self) -> list[str]:
         """What the study lacks: arms without a finished run, seeds without a finished run."""

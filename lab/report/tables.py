@@ -21,7 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.report import paired
 from lab.report.study import Study, mean_std
 
@@ -320,7 +320,9 @@ def al_table(study: Study) -> Table:
     b = study.backend
     pairs = [(s, k) for s in study.suites for k in study.ks]
     columns = [Column(f"k={k}", s) for s, k in pairs]
-    cells = {a.name: [Cell(study.scalars(a, keys.acceptance_length(s, k, b))) for s, k in pairs] for a in study.arms}
+    cells = {
+        a.name: [Cell(study.scalars(a, metric_keys.acceptance_length(s, k, b))) for s, k in pairs] for a in study.arms
+    }
     base = cells.get(study.baseline)
     rows = []
     for a in study.arms:
@@ -345,7 +347,7 @@ def al_table(study: Study) -> Table:
 def acceptance_table(study: Study) -> Table:
     """Unconditional acceptance rate per draft position at the deepest k, on the first suite."""
     suite, k, b = study.suites[0], study.ks[-1], study.backend
-    key = keys.accept_rate(suite, k, b)
+    key = metric_keys.accept_rate(suite, k, b)
     curves = {a.name: study.curves(a, key) for a in study.arms}
     depth = max((len(c) for cs in curves.values() for c in cs), default=0)
     columns = [Column(f"pos {i}", "") for i in range(1, depth + 1)]
@@ -377,9 +379,9 @@ def drift_table(study: Study) -> Table | None:
     rows = []
     for s in study.suites:
         for a in study.arms:
-            sink, self_mass = keys.drift(s, k, "sink_mass"), keys.drift(s, k, "self_mass")
+            sink, self_mass = metric_keys.drift(s, k, "sink_mass"), metric_keys.drift(s, k, "self_mass")
             cells = [at(a, sink, 1), at(a, sink, k), at(a, self_mass, 1), at(a, self_mass, k)]
-            cells.append(at(a, keys.drift(s, k, "norm_growth"), k))
+            cells.append(at(a, metric_keys.drift(s, k, "norm_growth"), k))
             rows.append(Row(a.name, a.label, cells, group=s, n=len(a.runs)))
     title = (
         f"Attention drift along the speculation chain (k={k}): attention mass on the sink token and on the "
@@ -398,7 +400,7 @@ def drift_table(study: Study) -> Table | None:
     return table
 
 
-ROLLOUT_KEY = keys.rollout_accuracy("in_dist")
+ROLLOUT_KEY = metric_keys.rollout_accuracy("in_dist")
 
 
 def rollout_table(study: Study) -> Table | None:

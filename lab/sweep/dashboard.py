@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from lab.config import OPTUNA_DB_PREFIXES, ConfigError, redact
-from lab.sweep import optuna_adapter as adapter
+from lab.config import ConfigError, redact
 from lab.sweep.find import first_point
-from lab.sweep.spec import Sweep
+from lab.sweep.search_space import Sweep
 
 if TYPE_CHECKING:
     import optuna
@@ -38,46 +36,22 @@ class Storage:
     studies: dict[str, int]
 
 
-def _journal_path(url: str) -> Path | None:
-    """The journal file `url` names, or None for a database URL (as lab/sweep/storage.py opens them)."""
-    return None if url.startswith(OPTUNA_DB_PREFIXES) else Path(url)
+def read_studies(url: str, key: str) -> Storage:
+    """Open the storage at `url` (a journal file path or a database URL) for reading, creating nothing there,
+    and list its studies; a ConfigError naming `key` when it is not there, cannot be read or holds no study."""
+    # imports MLflow (lab.track) and Optuna: only once a spec, if any, has loaded
+    from lab.sweep.storage import open_storage, unreadable
 
-
-def open_storage(url: str, key: str) -> Storage:
-    """Open the storage at `url` (a journal file path or a database URL) for reading, and list its
-    studies; a ConfigError naming `key` when it is not there, cannot be read or holds no study."""
-    import optuna
-
-    shown = redact(url)
-    if "://" in url and not url.startswith(OPTUNA_DB_PREFIXES):
-        scheme = url.split("://", 1)[0]
-        raise ConfigError(key, f"unknown database '{scheme}'; expected a journal file path or a database URL")
-    journal = _journal_path(url)
-    sqlite_file = Path(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None
-    for path in (journal, sqlite_file):
-        if path is not None and path.is_dir():
-            raise ConfigError(key, f"'{shown}' is a directory; expected a journal file or a database URL")
-        if path is not None and not path.is_file():
-            raise ConfigError(key, f"'{shown}': no such file, so no Optuna study yet (`lab sweep` makes one)")
+    storage = open_storage(url, create=False, key=key)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna's ExperimentalWarning for the journal storage
         try:
-            if journal is not None:
-                storage = adapter.journal_storage(str(journal))
-            else:
-                # as optuna-dashboard opens a database: no tables made, any schema version shown
-                storage = optuna.storages.RDBStorage(url, skip_compatibility_check=True, skip_table_creation=True)
             names = [s.study_name for s in storage.get_all_studies()]
             studies = {name: storage.get_study_id_from_name(name) for name in names}
-        except Exception as exc:  # a missing driver, a refused connection, no Optuna tables, not a database
-            while exc.__cause__ is not None:  # Optuna wraps the driver's error, which says what is wrong
-                exc = exc.__cause__
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            if "no such table" in first or ("relation" in first and "does not exist" in first):
-                raise ConfigError(key, f"'{shown}' has no Optuna tables, so no study yet ({first})") from None
-            raise ConfigError(key, f"cannot read Optuna studies from '{shown}': {first}") from None
+        except Exception as exc:  # a refused connection, no Optuna tables, not a database
+            raise unreadable(key, url, exc) from None
     if not studies:
-        raise ConfigError(key, f"'{shown}' holds no Optuna study yet (`lab sweep` makes one); expected a study")
+        raise ConfigError(key, f"'{redact(url)}' holds no Optuna study yet (`lab sweep` makes one); expected a study")
     return Storage(url, storage, studies)
 
 

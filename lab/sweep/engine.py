@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.composition import compose
 from lab.config import ConfigError, redact
@@ -43,11 +43,11 @@ from lab.pipeline import warm_caches
 from lab.preflight import check_checkpoint
 from lab.sweep.heartbeat import recover_stale, worker_name
 from lab.sweep.queue import counts, pop, top_up
-from lab.sweep.spec import Sweep
+from lab.sweep.search_space import Sweep
 from lab.sweep.storage import Session, dashboard_command, open_session
 from lab.sweep.summary import finish, spec_params, study_span
 from lab.sweep.trial import RUN_FAILURES, run_trial
-from lab.sweep.workers import gpu_placement, helpers, place_this_process
+from lab.sweep.workers import gpu_placement, place_this_process, worker_subprocesses
 
 
 @dataclass
@@ -62,7 +62,7 @@ class SweepResult:
     summary: str
 
 
-def work(
+def run_waiting_trials(
     s: Session,
     threads: int | None = None,
     progress: bool = True,
@@ -109,7 +109,7 @@ def join(
     if not s.parent_run_id:
         raise ConfigError("sweep", f"study '{s.study.study_name}' has no MLflow parent run; start it with `lab sweep`")
     log(f"worker {worker_name()} joined study {s.study.study_name} in {redact(s.storage_url)}")
-    work(s, threads, progress, log)
+    run_waiting_trials(s, threads, progress, log)
     # the queue is empty and no trial runs anywhere: whichever worker gets here last leaves the summary
     finish(s, *study_span(s))
     track.end_run(s.uri, s.parent_run_id, "FINISHED")
@@ -177,7 +177,7 @@ def launch(
     with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:
         s.parent_run_id = parent.id
         parent.log_params(spec_params(sweep, extra))
-        parent.log_metrics({keys.sweep_stat("budget"): budget})
+        parent.log_metrics({metric_keys.sweep_stat("budget"): budget})
         s.study.set_user_attr("mlflow_parent_run_id", parent.id)
         s.study.set_user_attr("sweep", sweep.name)
         added = top_up(s, budget)
@@ -202,9 +202,9 @@ def launch(
         gpus = _placement(cfg, count + 1, log)
         if count > 0:
             _warm(cfg, progress, log)
-        with helpers(worker_args, extra, threads, count, log, gpus):
+        with worker_subprocesses(worker_args, extra, threads, count, log, gpus):
             prefix = "[w0] " if workers > 1 else ""
-            work(s, threads, progress and workers == 1, lambda m: log(prefix + m))
+            run_waiting_trials(s, threads, progress and workers == 1, lambda m: log(prefix + m))
         c = counts(s)
         ran = c["finished"] - finished_before
         seconds = time.time() - started

@@ -1,20 +1,20 @@
 """Paper-style studies (`experiments/NAME.yaml`): arms as Hydra override deltas, seeds, suites, and
 the tables and figures they feed. Every arm x seed composes and validates before anything runs. The keys,
-their types and defaults are lab/sweep/schema.py's `ExperimentSpec`."""
+their types and defaults are lab/sweep/spec_schema.py's `ExperimentSpec`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.composition import compose
 from lab.config import ConfigError
 from lab.rules import SEED_MAX
-from lab.sweep import specfile
-from lab.sweep.schema import ExperimentSpec
-from lab.sweep.spec import Objective, Param, Sweep, blame
-from lab.sweep.specfile import read_yaml
+from lab.sweep import spec_reader
+from lab.sweep.search_space import Objective, Param, Sweep, blame
+from lab.sweep.spec_reader import read_yaml
+from lab.sweep.spec_schema import ExperimentSpec
 
 EXPERIMENT_DIR = Path(__file__).resolve().parent.parent.parent / "experiments"
 
@@ -46,7 +46,7 @@ class Experiment:
             raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'", extra) from None
         e = cfg.eval
         backend = "ref" if "ref" in e.backends else "vllm"
-        metric = keys.acceptance_length(e.suites[0], e.num_speculative_tokens[0], backend)
+        metric = metric_keys.acceptance_length(e.suites[0], e.num_speculative_tokens[0], backend)
         arm = Param("arm", "bundle", [a.name for a in self.arms], bundles={a.name: a.overrides for a in self.arms})
         return Sweep(
             name=self.name,
@@ -65,14 +65,14 @@ def available() -> list[str]:
 
 
 def load(name: str, folder: Path | None = None, seeds_arg: str | None = None) -> Experiment:
-    """Read and check `experiments/NAME.yaml` against its schema (lab/sweep/schema.py `ExperimentSpec`); raises
+    """Read and check `experiments/NAME.yaml` against its schema (lab/sweep/spec_schema.py `ExperimentSpec`); raises
     ConfigError naming the file, the key and what is expected. `seeds_arg` ("0,1", from the command line)
     replaces the experiment's seeds."""
     path = (folder or EXPERIMENT_DIR) / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError("experiment", f"unknown experiment '{name}'; available: {', '.join(available())}")
     where = f"experiments/{name}.yaml"
-    spec = specfile.check(ExperimentSpec, read_yaml(path, where), where)
+    spec = spec_reader.check(ExperimentSpec, read_yaml(path, where), where)
     arms = [
         Arm(str(arm_name), arm["label"] or str(arm_name), arm["overrides"]) for arm_name, arm in spec["arms"].items()
     ]

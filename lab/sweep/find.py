@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 
 from lab.composition import compose
 from lab.config import ConfigError
-from lab.sweep import experiment, spec
-from lab.sweep.spec import Sweep, blame
+from lab.sweep import experiment, search_space
+from lab.sweep.search_space import Sweep, blame
 
 STUDY_KINDS = ("sweep", "experiment")  # `sweep=NAME` / `experiment=NAME`
 
@@ -53,12 +53,12 @@ def study_spec(overrides: list[str], seeds: str | None, verb: str) -> tuple[Swee
         raise ConfigError(
             "experiment",
             f"required: experiment=NAME or sweep=NAME, e.g. `lab study {verb} experiment=drift_2x2`; "
-            f"experiments: {', '.join(experiment.available())}; sweeps: {', '.join(spec.available())}",
+            f"experiments: {', '.join(experiment.available())}; sweeps: {', '.join(search_space.available())}",
         )
     if named["sweep"]:
         if seeds is not None:
             raise ConfigError("--seeds", "only with experiment=NAME (the seeds `lab ablate --seeds` ran)")
-        sweep, kind = spec.load(named["sweep"][-1]), "sweep"
+        sweep, kind = search_space.load(named["sweep"][-1]), "sweep"
     else:
         sweep, kind = experiment.load(named["experiment"][-1], seeds_arg=seeds).as_sweep(extra), "experiment"
     return sweep, kind, extra, first_point(sweep, extra)
@@ -78,7 +78,7 @@ def dashboard_study(
             raise ConfigError(
                 "sweep",
                 "required: sweep=NAME, experiment=NAME or --storage URL, e.g. `lab dashboard sweep=toggles_grid`; "
-                f"sweeps: {', '.join(spec.available())}; experiments: {', '.join(experiment.available())}",
+                f"sweeps: {', '.join(search_space.available())}; experiments: {', '.join(experiment.available())}",
             )
         if extra:
             key = extra[0].split("=", 1)[0]
@@ -86,7 +86,7 @@ def dashboard_study(
     if seeds is not None and not named["experiment"]:
         raise ConfigError("--seeds", "only with experiment=NAME (the seeds `lab ablate --seeds` ran)")
     if named["sweep"]:
-        return spec.load(named["sweep"][-1]), f"lab sweep sweep={named['sweep'][-1]}", extra
+        return search_space.load(named["sweep"][-1]), f"lab sweep sweep={named['sweep'][-1]}", extra
     if named["experiment"]:
         exp = experiment.load(named["experiment"][-1], seeds_arg=seeds)
         return exp.as_sweep(extra), f"lab ablate experiment={exp.name}", extra

@@ -4,6 +4,7 @@ it, the sampler and the pruner of a spec, and `Session`, one process's handle on
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from lab import track
 from lab.config import OPTUNA_DB_PREFIXES, ConfigError, redact
 from lab.fsutil import file_lock
 from lab.sweep import optuna_adapter as adapter
-from lab.sweep.spec import Sweep
+from lab.sweep.search_space import Sweep
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial prints its own line
 
@@ -34,7 +35,22 @@ def dashboard_command(url: str) -> str:
     return f"optuna-dashboard {url}"
 
 
-def open_storage(url: str) -> optuna.storages.BaseStorage:
+def journal_path(url: str) -> Path | None:
+    """The journal file `url` names, or None for a database URL."""
+    return None if url.startswith(OPTUNA_DB_PREFIXES) else Path(url)
+
+
+def open_storage(url: str, *, create: bool = True, key: str = "tracking.optuna_storage") -> optuna.storages.BaseStorage:
+    """The Optuna storage at `url`, a journal file path or a database URL; a ConfigError naming `key` when it
+    cannot be opened.
+
+    `create=True` (a sweep, an ablation, a study's import): what is missing is made, a journal's folder and a
+    database's Optuna tables. `create=False` (`lab dashboard`, a study's export): nothing is made, because a
+    reader that made an empty journal, database or table would show an empty storage and leave a stray file or
+    schema that a later sweep finds; there a file that is not there, an unknown database, or a database
+    without Optuna's tables is refused instead."""
+    if not create:
+        return _open_existing(url, key)
     if url.startswith(OPTUNA_DB_PREFIXES):
         try:
             # Optuna creates its tables on first open without a lock: one process at a time
@@ -42,10 +58,44 @@ def open_storage(url: str) -> optuna.storages.BaseStorage:
                 return adapter.rdb_storage(url)
         except Exception as exc:  # a missing driver, a refused connection: one line
             first = str(exc).splitlines()[0]
-            raise ConfigError("tracking.optuna_storage", f"cannot open '{redact(url)}': {first}") from None
+            raise ConfigError(key, f"cannot open '{redact(url)}': {first}") from None
     path = Path(url)
     path.parent.mkdir(parents=True, exist_ok=True)
     return adapter.journal_storage(str(path))
+
+
+def _open_existing(url: str, key: str) -> optuna.storages.BaseStorage:
+    shown = redact(url)
+    if "://" in url and not url.startswith(OPTUNA_DB_PREFIXES):
+        scheme = url.split("://", 1)[0]
+        raise ConfigError(key, f"unknown database '{scheme}'; expected a journal file path or a database URL")
+    journal = journal_path(url)
+    sqlite_file = Path(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None
+    for path in (journal, sqlite_file):
+        if path is not None and path.is_dir():
+            raise ConfigError(key, f"'{shown}' is a directory; expected a journal file or a database URL")
+        if path is not None and not path.is_file():
+            raise ConfigError(key, f"'{shown}': no such file, so no Optuna study yet (`lab sweep` makes one)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna's ExperimentalWarning for the journal storage
+        try:
+            if journal is not None:
+                return adapter.journal_storage(str(journal))
+            # as optuna-dashboard opens a database: no tables made, any schema version shown
+            return optuna.storages.RDBStorage(url, skip_compatibility_check=True, skip_table_creation=True)
+        except Exception as exc:  # a missing driver, not a database
+            raise unreadable(key, url, exc) from None
+
+
+def unreadable(key: str, url: str, exc: BaseException) -> ConfigError:
+    """The one-line error of a storage that `open_storage(create=False)` opened, or its reader then read,
+    and that failed: the driver's own first line (Optuna wraps it), said as no tables where there are none."""
+    while exc.__cause__ is not None:  # Optuna wraps the driver's error, which says what is wrong
+        exc = exc.__cause__
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    if "no such table" in first or ("relation" in first and "does not exist" in first):
+        return ConfigError(key, f"'{redact(url)}' has no Optuna tables, so no study yet ({first})")
+    return ConfigError(key, f"cannot read Optuna studies from '{redact(url)}': {first}")
 
 
 def sampler(sweep: Sweep, worker_index: int, history: int) -> optuna.samplers.BaseSampler:

@@ -9,12 +9,12 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.config import redact
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.queue import counts
-from lab.sweep.spec import Sweep, changing_results
+from lab.sweep.search_space import Sweep, changing_results
 from lab.sweep.storage import Session
 
 
@@ -84,11 +84,11 @@ def summary(s: Session, seconds: float, workers: int) -> tuple[str, dict[str, fl
         "",
     ]
     metrics = {
-        keys.sweep_stat("complete"): float(c["complete"]),
-        keys.sweep_stat("pruned"): float(c["pruned"]),
-        keys.sweep_stat("failed"): float(c["failed"]),
-        keys.sweep_stat("seconds"): seconds,
-        keys.sweep_stat("workers"): float(workers),
+        metric_keys.sweep_stat("complete"): float(c["complete"]),
+        metric_keys.sweep_stat("pruned"): float(c["pruned"]),
+        metric_keys.sweep_stat("failed"): float(c["failed"]),
+        metric_keys.sweep_stat("seconds"): seconds,
+        metric_keys.sweep_stat("workers"): float(workers),
     }
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     if complete:
@@ -102,7 +102,7 @@ def summary(s: Session, seconds: float, workers: int) -> tuple[str, dict[str, fl
             f"{fmt(sweep, best.values)}; MLflow run `{best.user_attrs.get('mlflow_run_id', '')}`."
         )
         if single:
-            metrics[keys.sweep_stat("best_value")] = best.values[0]
+            metrics[metric_keys.sweep_stat("best_value")] = best.values[0]
         lines.append("")
     head = ["trial", "state", "point", "seed", *(o.metric for o in sweep.objectives), "min", "MLflow run"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -139,8 +139,8 @@ def _cache_saving(trials: list[optuna.trial.FrozenTrial]) -> tuple[str, dict[str
         f"trial would take without the cache."
     )
     return line, {
-        keys.sweep_stat("cache_build_s"): build,
-        keys.sweep_stat("cache_load_s"): load,
-        keys.sweep_stat("cache_saving_s"): saving,
-        keys.sweep_stat("cache_saving_share"): share,
+        metric_keys.sweep_stat("cache_build_s"): build,
+        metric_keys.sweep_stat("cache_load_s"): load,
+        metric_keys.sweep_stat("cache_saving_s"): saving,
+        metric_keys.sweep_stat("cache_saving_share"): share,
     }

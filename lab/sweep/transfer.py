@@ -18,7 +18,7 @@ import optuna
 
 from lab.config import ConfigError, redact
 from lab.sweep import optuna_adapter as adapter
-from lab.sweep.dashboard import open_storage as open_for_reading
+from lab.sweep.dashboard import read_studies as open_for_reading
 
 PARTIAL = "lab.import"  # a study attribute, "partial" until every trial is written
 

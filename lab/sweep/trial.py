@@ -11,7 +11,7 @@ import optuna
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab import track
 from lab.composition import compose
 from lab.identity import config_hash
@@ -21,7 +21,7 @@ from lab.preflight import check_checkpoint
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.heartbeat import beating
 from lab.sweep.queue import enqueue_other_seeds, retry
-from lab.sweep.spec import PRUNE_METRIC
+from lab.sweep.search_space import PRUNE_METRIC
 from lab.sweep.storage import Session
 from lab.sweep.summary import fmt
 
@@ -124,10 +124,10 @@ def run_trial(
         return
     m = result.metrics
     trial.set_user_attr("seconds", time.time() - started)
-    trial.set_user_attr("cache_s", float(m.get(keys.cache_stat("seconds"), 0.0)))
-    trial.set_user_attr("cache_hit", bool(m.get(keys.cache_stat("hit"), 0.0)))
-    if keys.cache_stat("build_seconds") in m:
-        trial.set_user_attr("cache_build_s", float(m[keys.cache_stat("build_seconds")]))
+    trial.set_user_attr("cache_s", float(m.get(metric_keys.cache_stat("seconds"), 0.0)))
+    trial.set_user_attr("cache_hit", bool(m.get(metric_keys.cache_stat("hit"), 0.0)))
+    if metric_keys.cache_stat("build_seconds") in m:
+        trial.set_user_attr("cache_build_s", float(m[metric_keys.cache_stat("build_seconds")]))
     s.study.tell(trial, values)
     _tag_run(s, trial, "COMPLETE")
     log(f"{name}: {fmt(sweep, values)} in {time.time() - started:.0f} s")

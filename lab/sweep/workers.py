@@ -19,8 +19,8 @@ from lab.config import ConfigError
 
 
 class WholeLines(io.TextIOBase):
-    """The launcher's stdout while helpers run: each thread's text goes out in whole lines, one write each.
-    `print` writes a line and its newline apart, so a line forwarded from a helper could otherwise land
+    """The launcher's stdout while its worker subprocesses run: each thread's text goes out in whole lines, one
+    write each. `print` writes a line and its newline apart, so a line forwarded from a worker could otherwise land
     between them and run two workers' lines together."""
 
     def __init__(self, out: TextIO):
@@ -109,7 +109,7 @@ def _spawn(
 
 
 @contextlib.contextmanager
-def helpers(
+def worker_subprocesses(
     worker_args: list[str],
     extra: list[str],
     threads: int | None,

@@ -9,7 +9,7 @@ The surface is enumerated, not listed, so that a new key or option is fuzzed wit
 
 - config keys: every field of `lab/config.py`'s `Config`, walked recursively (`suites.*` through one configured
   suite, picked by the seed among those the base run can evaluate, and evaluated in the case);
-- spec keys: every field of `lab/sweep/schema.py`'s `SweepSpec` and `ExperimentSpec` and of the dataclasses
+- spec keys: every field of `lab/sweep/spec_schema.py`'s `SweepSpec` and `ExperimentSpec` and of the dataclasses
   they hold (a space's parameter, an objective, the sampler, the pruner, an arm), mutated in a valid spec file;
 - options: every verb of `lab.cli.build_parser()` (its subparsers, walked; `VERB worker` where a subparser
   sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides;

@@ -13,7 +13,7 @@ import yaml
 from fuzz.mutations import HUGE, hydra_value, mutation, mutation_classes
 from fuzz.surface import CONFIG_KEYS, EXAMPLES, STORE, VERBS, Case, base_argvs, seeded_rng, spec_leaves
 from lab.composition import compose
-from lab.sweep import schema
+from lab.sweep import spec_schema
 
 
 def _config_pairs() -> dict[str, list[str]]:
@@ -87,7 +87,7 @@ EXPERIMENT_BASE = {
     "arms": {"a": {"label": "A", "overrides": ["drafter=eagle31"]}},
     "figures": ["al_vs_depth"],
 }
-SPECS = {"sweeps": (schema.SweepSpec, SWEEP_BASE), "experiments": (schema.ExperimentSpec, EXPERIMENT_BASE)}
+SPECS = {"sweeps": (spec_schema.SweepSpec, SWEEP_BASE), "experiments": (spec_schema.ExperimentSpec, EXPERIMENT_BASE)}
 SPEC_KEYS = [(kind, key, tp) for kind, (cls, _) in SPECS.items() for key, tp in spec_leaves(cls)]
 
 

@@ -15,8 +15,8 @@ sampler, the pruner, the objective(s), seeds per point and the total trial budge
     trials: 24              # the TOTAL budget of trials (a grid: every point x seed, the default)
 
 An ablation (`experiments/NAME.yaml`) is the grid over one bundle parameter, `arm`. The keys, their types,
-defaults and bounds are lab/sweep/schema.py's `SweepSpec`; a bad value fails in one line naming the file
-and the key (lab/sweep/specfile.py).
+defaults and bounds are lab/sweep/spec_schema.py's `SweepSpec`; a bad value fails in one line naming the file
+and the key (lab/sweep/spec_reader.py).
 """
 
 from __future__ import annotations
@@ -30,19 +30,19 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lab import metrics as keys
+from lab import metrics as metric_keys
 from lab.composition import compose
 from lab.config import ConfigError
 from lab.fsutil import short_hash
 from lab.identity import config_hash
 from lab.preflight import check_checkpoint, check_paths, check_target
 from lab.rules import PathRule, expected_got, path_problem
-from lab.sweep import specfile
-from lab.sweep.schema import ParamSpec, SweepSpec
-from lab.sweep.specfile import read_yaml
+from lab.sweep import spec_reader
+from lab.sweep.spec_reader import read_yaml
+from lab.sweep.spec_schema import ParamSpec, SweepSpec
 
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
-PRUNE_METRIC = keys.train_stat("simulated_acc_len")
+PRUNE_METRIC = metric_keys.train_stat("simulated_acc_len")
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
 _PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
 SPEC_FILE = PathRule("file", "yaml")  # `sweep=PATH.yaml`
@@ -219,8 +219,7 @@ def blame(exc: ConfigError, where: str, extra: list[str] | tuple[str, ...] = ())
     own = {o.split("=", 1)[0].lstrip("+~") for o in extra} | set(extra)
     if not changing_results([f"{exc.key}="]) or exc.key in own:
         return exc
-    message = str(exc).removeprefix(f"{exc.key}: ")
-    return ConfigError(f"{where}: {exc.key}", message)
+    return ConfigError(f"{where}: {exc.key}", exc.message)
 
 
 def changing_results(overrides: list[str]) -> list[str]:
@@ -266,7 +265,7 @@ def available(folder: Path = SWEEP_DIR) -> list[str]:
 
 def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
     """Read and check `sweeps/NAME.yaml` (or NAME given as a path to a .yaml file) against its schema
-    (lab/sweep/schema.py `SweepSpec`); raises ConfigError naming the file, the key and what is expected."""
+    (lab/sweep/spec_schema.py `SweepSpec`); raises ConfigError naming the file, the key and what is expected."""
     if name.endswith((".yaml", ".yml")):
         path = Path(name)
         name, where = path.stem, name
@@ -285,7 +284,7 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
     raw = read_yaml(path, where)
     if isinstance(raw, dict) and isinstance(raw.get("objectives"), (str, dict)):
         raw = {**raw, "objectives": [raw["objectives"]]}  # one objective, not in a list
-    spec = specfile.check(SweepSpec, raw, where)
+    spec = spec_reader.check(SweepSpec, raw, where)
     sweep = Sweep(
         name=name,
         space=[_param(where, str(k), p) for k, p in spec["space"].items()],

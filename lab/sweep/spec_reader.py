@@ -1,5 +1,5 @@
 """Reading a study's spec file (`sweeps/NAME.yaml`, `experiments/NAME.yaml`): the YAML, then its check against
-the file's schema (lab/sweep/schema.py) with OmegaConf's structured configs.
+the file's schema (lab/sweep/spec_schema.py) with OmegaConf's structured configs.
 
 Every problem is one ConfigError line naming the file and the key:
 `FILE: KEY: expected WHAT, got VALUE` for a value of the wrong type, out of range or not one of an enum's,

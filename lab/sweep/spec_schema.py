@@ -2,7 +2,7 @@
 and `ExperimentSpec` (`experiments/NAME.yaml`). Every key a file may hold is a field here, with its type,
 its default and, where its type does not say it all, its rules (`checked`, lab/rules.py's engine, the one the
 config schema uses): bounds and checks, and what a good value is in words (the error says it).
-lab/sweep/specfile.py checks a parsed file against these classes.
+lab/sweep/spec_reader.py checks a parsed file against these classes.
 
 A class's `EXPECTED` says what its mapping is, and `shorthand` (where there is one) expands the short form
 a file may write instead of the mapping (`sampler: tpe` for `sampler: {name: tpe}`).
@@ -128,7 +128,7 @@ _OVERRIDES = "a list of key=value overrides"
 
 @dataclass
 class SweepSpec:
-    """`sweeps/NAME.yaml` (lab/sweep/spec.py)."""
+    """`sweeps/NAME.yaml` (lab/sweep/search_space.py)."""
 
     EXPECTED: ClassVar[str] = "a mapping with space, objectives, sampler, ..."
 

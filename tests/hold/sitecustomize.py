@@ -1,0 +1,75 @@
+"""A test's hold on training, in every Python process started with this folder on PYTHONPATH (Python imports
+`sitecustomize` at startup; tests/helpers.py `hold_training` sets both): with LAB_HOLD_AFTER_STEP=N:FILE, the
+trainer (lab/train/ttt.py) stops after its N-th step of the call, creates FILE and waits there until Ctrl-C,
+so that a test interrupts training at a point it controls however fast the machine trains. It reaches the
+`lab` processes a command starts itself (a sweep's workers) through their inherited environment; lab has no
+such hook of its own.
+
+It replaces lab.train.resume's `StopRequest` as that module loads (before lab/train/ttt.py imports it) with one
+whose `requested` holds on its N-th read: the trainer reads it once after each step it finishes, where it
+decides on a checkpoint. A change there that moves the hold fails the tests that use it (the file never comes,
+or the interrupt lands elsewhere than they check)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+from pathlib import Path
+
+HOLD_ENV = "LAB_HOLD_AFTER_STEP"  # tests/helpers.py `hold_training` sets it
+RESUME = "lab.train.resume"
+
+
+def _held(base: type) -> type:
+    step, flag = os.environ[HOLD_ENV].split(":", 1)
+
+    class HeldStopRequest(base):
+        def __init__(self) -> None:
+            self._steps, self._held, self._requested = 0, False, False
+            super().__init__()
+
+        @property
+        def requested(self) -> bool:
+            self._steps += 1
+            if self._steps == int(step) and not self._held:
+                self._held = True
+                Path(flag).touch()
+                while not self._requested:  # until the SIGINT handler (`_handle`) sets it
+                    time.sleep(0.05)
+            return self._requested
+
+        @requested.setter
+        def requested(self, value: bool) -> None:
+            self._requested = value
+
+        def _handle(self, signum, frame) -> None:
+            self._steps -= 1  # the handler's own read of `requested` is no finished step
+            super()._handle(signum, frame)
+
+    return HeldStopRequest
+
+
+class _PatchResume(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds lab.train.resume as the path finder does, and replaces its StopRequest once it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if name != RESUME:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        module.StopRequest = _held(module.StopRequest)
+
+
+if os.environ.get(HOLD_ENV):
+    sys.meta_path.insert(0, _PatchResume())
