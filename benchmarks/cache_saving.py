@@ -13,11 +13,11 @@ import sys
 import tempfile
 import time
 
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.data.cache import build_or_load
 from lab.data.text import training_sequences
 from lab.pipeline import set_threads
-from lab.shape import aux_layers
 from lab.target import load
 
 

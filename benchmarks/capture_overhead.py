@@ -50,12 +50,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.data.cache import STORE_DTYPE, capture_batch
 from lab.fsutil import sha256_file
 from lab.pipeline import set_threads
-from lab.shape import aux_layers
 from lab.target import load
 
 TARGETS = {"smollm2": ["target=smollm2"], "micro": ["profile=micro"]}

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.data.cache import build_or_load
 from lab.data.text import training_sequences
 from lab.drafter import init_drafter
 from lab.pipeline import set_threads
-from lab.shape import aux_layers
 from lab.target import load
 from lab.train import resume
 from lab.train.ttt import train

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import KVCache, init_drafter
 from lab.eval import reference
 from lab.eval.probes import DriftProbes
 from lab.pipeline import set_threads
-from lab.shape import aux_layers
 from lab.target import load
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -91,7 +91,7 @@ def smollm2_shaped(device: torch.device, dtype: torch.dtype, layers: int | None 
 
 
 def micro(device: torch.device, dtype: torch.dtype) -> Target:
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.target import load
 
     return load(compose(["profile=micro", f"device={device.type}", f"dtype={str(dtype).removeprefix('torch.')}"]))

@@ -9,13 +9,13 @@ from __future__ import annotations
 import sys
 import time
 
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import speculative_decode
 from lab.pipeline import set_threads
-from lab.shape import aux_layers
 from lab.target import load
 
 

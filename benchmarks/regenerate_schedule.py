@@ -19,7 +19,7 @@ import argparse
 import os
 import time
 
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.data import regenerate as regen
 from lab.data.conversations import select, sharegpt, split
 from lab.target import load

@@ -18,7 +18,7 @@ import argparse
 import os
 import time
 
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.data.conversations import select, sharegpt, split
 from lab.target import load
 from lab.target.chat_template import TokenizerChat

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.data import conversations as convs
 from lab.drafter import init_drafter
 from lab.target import capture, load

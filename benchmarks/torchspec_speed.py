@@ -45,11 +45,11 @@ import time
 
 import torch
 
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.drafter import Eagle3Drafter, drafter_spec
 from lab.pipeline import set_threads
-from lab.shape import aux_layers
 from lab.train.loss import ttt_loss
 from lab.train.torchspec_config import target_model_config
 from lab.train.ttt import optimizer

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lab import metrics as metric_keys
 from lab import track
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.data.suites import build_suite
 from lab.drafter import load_checkpoint
 from lab.eval import vllm_backend

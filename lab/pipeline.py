@@ -30,6 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from lab import metrics as metric_keys
 from lab import track
 from lab.config import ConfigError, DataSource, rollout_depth
+from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
+from lab.config.shape import aux_layers
 from lab.data.cache import HeldoutStates, build_or_load, heldout_states
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
@@ -42,8 +44,6 @@ from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
 from lab.fsutil import claim
-from lab.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
-from lab.shape import aux_layers
 from lab.target import Target
 from lab.target import load as load_target
 from lab.train import resume

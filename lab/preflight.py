@@ -3,12 +3,12 @@ config's own modules import nothing of them): what this machine lacks for the co
 torch has no CUDA, a dtype the device cannot compute, TorchSpec for train.backend=torchspec, vLLM for
 eval.backends with vllm), a drafter.checkpoint that is unreadable or does not fit the target, a drafter vLLM
 cannot serve, a target folder without what the workbench reads from it (config.json's fields, checked by
-lab/shape.py; safetensors weights; a tokenizer; a chat template where data.template=target), a malformed line
+lab/config/shape.py; safetensors weights; a tokenizer; a chat template where data.template=target), a malformed line
 of the user's conversations, a target whose chat template cannot mask the assistant's turns, or data that
 leaves too few training sequences (counted with the target's tokenizer where it is on disk) is one line naming
 the key and file before a target is loaded or converted and before an MLflow run is opened.
 
-Every key that names a file or folder (a `path` rule of lab/config.py's schema) is checked first
+Every key that names a file or folder (a `path` rule of lab/config's schema) is checked first
 (`check_paths`): its kind on the disk (a file, a folder, an output that may be missing but not be a file of the
 other kind, nor under a file; no symlink loop), then what is read there: a JSONL file's lines, a SQLite
 database's header, an Optuna journal's lines, a target folder's safetensors headers, a drafter checkpoint's
@@ -42,8 +42,8 @@ from lab.config import (
     SuiteKind,
     TargetKind,
 )
-from lab.rules import PathRule, path_problem, path_rules
-from lab.validation import ruled_keys
+from lab.config.rules import PathRule, path_problem, path_rules
+from lab.config.validation import ruled_keys
 
 SAMPLE = [
     {"role": "user", "content": "Hello?"},
@@ -269,7 +269,7 @@ def check_device(cfg: DictConfig) -> None:
 def check_target(cfg: DictConfig) -> None:
     """The machine can run the config (`check_environment`: the target can be loaded where the config puts
     it, and the backends it names are installed); a target=hf folder holds safetensors weights and a tokenizer
-    (its config.json is lab/shape.py's to check), and, with data.template=target, a tokenizer with a chat
+    (its config.json is lab/config/shape.py's to check), and, with data.template=target, a tokenizer with a chat
     template."""
     check_environment(cfg)
     t = cfg.target

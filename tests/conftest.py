@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.composition import compose
-from lab.shape import aux_layers
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 
 MICRO = ["profile=micro"]
 

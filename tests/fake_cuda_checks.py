@@ -18,7 +18,7 @@ import pytest
 import torch
 from fake_cuda import CudaTensor, Report, fake_cuda
 
-from lab.composition import compose
+from lab.config.composition import compose
 
 # Host syncs measured on this code (CPU torch 2.13, the fake device; `python tests/fake_cuda.py -s` prints
 # where each one is): a new one fails here. Lower a bound when a change removes syncs.
@@ -92,8 +92,8 @@ class Stage:
 @pytest.fixture(scope="module")
 def loaded(cfg):
     """The pipeline's target load on the fake device (device=cuda, dtype=bfloat16)."""
+    from lab.config.shape import aux_layers
     from lab.pipeline import load_target
-    from lab.shape import aux_layers
 
     with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
         target = load_target(cfg, progress=False)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lab import report, track
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
 from lab.sweep import experiment
 from lab.sweep.engine import launch
 

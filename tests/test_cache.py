@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lab.config.shape import aux_layers
 from lab.data.cache import MANIFEST, STORE_DTYPE, _verify, build_or_load, heldout_states
-from lab.shape import aux_layers
 from lab.target.build import BUILD_INFO
 
 
@@ -155,8 +155,8 @@ def test_key_depends_on_aux_layers(micro_cfg, micro_target, micro_sequences, tmp
 _RACER = """
 import json, sys, time
 from pathlib import Path
-from lab.composition import compose
-from lab.shape import aux_layers
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 
 what, out, shared, overrides = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
 cfg = compose(overrides)

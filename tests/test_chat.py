@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
 from lab.data.suites import EVAL_SYSTEM_PROMPTS, build_suite
 from lab.target import chat
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from lab.composition import CONFIG_DIR, compose
 from lab.config import ConfigError
-from lab.identity import config_hash, flatten
-from lab.shape import aux_layers
+from lab.config.composition import CONFIG_DIR, compose
+from lab.config.identity import config_hash, flatten
+from lab.config.shape import aux_layers
 
 
 def _group_entries():
@@ -152,11 +152,10 @@ def test_bad_input_names_the_key_and_what_is_allowed(overrides, key, hint):
 
 
 def test_one_rule_engine_for_configs_and_spec_files(tmp_path):
-    """The config's fields and a spec file's are checked and said by lab/rules.py alike: a seed's bound is one
+    """The config's fields and a spec file's are checked and said by lab/config/rules.py alike: a seed's bound is one
     constant, and a bad value is `KEY: expected WHAT, got VALUE` in both, with the same words for the same
     rules."""
-    from lab import rules
-    from lab.config import SEED
+    from lab.config import SEED, rules
     from lab.sweep import search_space, spec_schema
 
     assert SEED["max"] == spec_schema.SEEDS["max"] == rules.SEED_MAX
@@ -208,7 +207,7 @@ def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_
         search_space.load(str(path)).check(micro)
 
 
-# The schema (lab/config.py) holds every default; a config file states only what it changes. A file that
+# The schema (lab/config) holds every default; a config file states only what it changes. A file that
 # restates a value its base already has is a second source of that default, free to drift from the first.
 GROUP_SCHEMAS = {
     "target": "TargetConfig",
@@ -305,7 +304,7 @@ def _leaves(tree: dict, prefix: str = "") -> dict:
 
 
 def test_a_changed_default_bumps_the_hash_scheme():
-    from lab.identity import CONFIG_HASH_SCHEME
+    from lab.config.identity import CONFIG_HASH_SCHEME
 
     if os.environ.get("LAB_WRITE_SCHEMA_SNAPSHOT") == "1":
         SCHEMA_SNAPSHOT.write_text(
@@ -316,7 +315,9 @@ def test_a_changed_default_bumps_the_hash_scheme():
     assert snapshot["scheme"] == CONFIG_HASH_SCHEME, f"CONFIG_HASH_SCHEME changed: {regenerate}"
     now = _leaves(_defaults_now())
     changed = {k: (v, now[k]) for k, v in _leaves(snapshot["defaults"]).items() if k in now and now[k] != v}
-    assert not changed, f"defaults changed meaning {changed}: bump CONFIG_HASH_SCHEME in lab/identity.py, {regenerate}"
+    assert not changed, (
+        f"defaults changed meaning {changed}: bump CONFIG_HASH_SCHEME in lab/config/identity.py, {regenerate}"
+    )
 
 
 def test_a_key_added_with_a_default_keeps_the_hash():
@@ -326,7 +327,9 @@ def test_a_key_added_with_a_default_keeps_the_hash():
     del recorded["eval"]["vllm"]["timeout_s"]
     del recorded["suites"]["template"]["templates"]
     del recorded["device"], recorded["dtype"]
-    recorded["train"]["autocast_bf16"] = False  # as recorded before the key was retired (lab/identity.py RETIRED)
+    recorded["train"]["autocast_bf16"] = (
+        False  # as recorded before the key was retired (lab/config/identity.py RETIRED)
+    )
     assert config_hash(recorded) == config_hash(cfg)
     assert config_hash(compose(["drafter=eagle31", "train.steps=8", "seed=3"])) != config_hash(cfg)
     assert config_hash(
@@ -346,7 +349,7 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
     """A run recorded before a key existed still matches a fresh composition; a run keyed by the old scheme
     is named by `lab doctor` in one line and re-keyed by `lab doctor --rekey` from its logged config."""
     from lab import track
-    from lab.identity import CONFIG_HASH_SCHEME
+    from lab.config.identity import CONFIG_HASH_SCHEME
 
     uri, root = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
     overrides = ["target=micro", "data=micro", "drafter=eagle31", "train.steps=7"]

@@ -16,15 +16,15 @@ import torch
 from helpers import small_target
 from omegaconf import OmegaConf
 
-from lab.composition import compose
 from lab.config import ConfigError, DrafterConfig, TrainConfig
+from lab.config.composition import compose
+from lab.config.identity import config_hash
 from lab.data.cache import build_or_load
 from lab.data.text import Sequences
 from lab.device import resolve_device
 from lab.drafter import init_drafter
 from lab.eval.reference import speculative_decode, target_decode
 from lab.eval.run import heldout_evaluation
-from lab.identity import config_hash
 from lab.pipeline import resolved_device
 from lab.preflight import check_target
 from lab.target import load

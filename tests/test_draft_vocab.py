@@ -16,6 +16,7 @@ from helpers import small_drafter
 from safetensors.torch import load_file, save_file
 
 from lab.config import ConfigError
+from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import (
     CheckpointError,
@@ -30,7 +31,6 @@ from lab.drafter import (
 from lab.drafter.formats import MANIFEST, WEIGHTS
 from lab.drafter.imported import resolve
 from lab.eval.reference import DecodeStats, speculative_decode
-from lab.shape import aux_layers
 
 DRAFT_VOCAB = 96  # of the micro target's 512
 

@@ -12,8 +12,8 @@ import torch
 import yaml
 
 from lab.cli import main
-from lab.composition import compose
-from lab.identity import config_hash
+from lab.config.composition import compose
+from lab.config.identity import config_hash
 
 MICRO = ["profile=micro"]
 TORCHSPEC_MISSING = "TorchSpec is not installed: docs/torchspec.md says how to install it and run this test"

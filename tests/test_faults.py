@@ -17,11 +17,11 @@ import torch
 from helpers import default_sigint, hold_training, small_drafter
 
 from lab import track
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.drafter import load_checkpoint, save_native
 from lab.drafter.formats import MANIFEST as DRAFTER_MANIFEST
 from lab.fsutil import sha256_file
-from lab.shape import aux_layers
 from lab.train import resume
 
 

@@ -23,8 +23,8 @@ from fuzz.surface import CONFIG_KEYS, SEED, STORE, VERBS, Case, base_argvs, seed
 from test_bad_input import _overrides, recorded, snapshot  # noqa: F401  (recorded: a fixture)
 
 from lab import track
-from lab.composition import compose
-from lab.rules import strip_optional
+from lab.config.composition import compose
+from lab.config.rules import strip_optional
 from lab.sweep import experiment
 
 SUBPROCESS_SAMPLE = 6  # failing cases run again through the real command

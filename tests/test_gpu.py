@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import perturb, small_drafter
 
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import aux_layers
 from lab.device import cuda_problem
-from lab.shape import aux_layers
 
 DEVICE = os.environ.get("LAB_GPU_TIER_DEVICE", "cuda")
 if DEVICE == "cuda" and cuda_problem():

@@ -407,7 +407,7 @@ def test_resolve_checks_the_checkpoint_fits_the_target(tmp_path):
 def test_a_checkpoint_is_checked_before_any_target_and_its_own_norms_decide_vllm(tmp_path):
     """No target is built to refuse a checkpoint (lab/preflight.py, which `lab run` and a study's check run
     after composing); whether vLLM can serve it is the checkpoint's matter, not the drafter preset's."""
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.preflight import check_checkpoint, check_vllm_servable
 
     overrides = ["profile=micro", f"cache_dir={tmp_path / 'cache'}"]
@@ -489,7 +489,7 @@ def test_lab_run_evaluates_an_imported_drafter_and_logs_what_it_evaluated(
     import mlflow
     from helpers import evaluate_suite
 
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.data.suites import build_suite
 
     src, folder, run_id = imported_run
@@ -627,7 +627,7 @@ def test_lab_run_evaluates_a_torchspec_drafter_in_vllm_too(trained_eagle31, micr
     both backends, which agree; vLLM reading the TorchSpec folder itself agrees as well."""
     import mlflow
 
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.data.suites import build_suite
 
     src = _bf16_exact(trained_eagle31[0])
@@ -663,7 +663,7 @@ def test_vllm_honours_norm_before_residual_of_an_imported_drafter(
 ):
     """The trained weights with norm_before_residual switched on, as a speculators checkpoint: the
     reference decoder's AL moves, and vLLM's follows it there."""
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.data.suites import build_suite
 
     off = _bf16_exact(trained_eagle31[0])

@@ -224,7 +224,7 @@ def test_the_checker_finds_circles_and_later_stages(tmp_path):
 
 
 def test_config_knows_the_chat_templates_by_name():
-    """lab/validation.py checks template names without importing the target stage: lab/config.py's list is
+    """lab/config/validation.py checks template names without importing the target stage: lab/config's list is
     chat.py's."""
     from lab.config import TEMPLATE_NAMES
     from lab.target.chat import TEMPLATES
@@ -260,7 +260,7 @@ def test_sweep_modules_import_one_way():
 
 
 def test_the_spec_schema_imports_only_the_rule_engine():
-    assert {e[1] for e in imports(LAB) if e[0] == "lab.sweep.spec_schema"} == {"lab.rules"}
+    assert {e[1] for e in imports(LAB) if e[0] == "lab.sweep.spec_schema"} == {"lab.config.rules"}
 
 
 # Optuna's private API: underscored attributes (`_trial_id`, ...) and what optuna.storages does not export

@@ -114,8 +114,8 @@ def test_a_config_names_only_backends_that_have_keys():
     """A run logs `eval/{suite}/{backend}/...` for each of its `eval.backends`: a backend the config takes but the
     builders refuse would fail only after training. So composing takes exactly the builders' backends (the
     config's own list, `BACKENDS`, and a name neither knows are tried too)."""
-    from lab.composition import compose
     from lab.config import BACKENDS, ConfigError
+    from lab.config.composition import compose
 
     for backend in {*get_args(metric_keys.Backend), *BACKENDS, "sglang"}:
         try:

@@ -130,7 +130,7 @@ def test_lab_run_smollm2_smoke(workdir):
 def test_warm_caches_builds_what_the_runs_then_find(micro_overrides, micro_target):
     """What a study warms before its workers start (lab/sweep/engine.py) is the runs' own hidden-state cache:
     built once by the first call, found by the next."""
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.pipeline import warm_caches
 
     cfg = compose([*micro_overrides, "data.num_sequences=24"])  # a selection no other test caches
@@ -158,7 +158,7 @@ def test_a_drafter_trained_alike_is_reused_not_trained_again(micro_overrides, mi
     import torch
 
     from lab import track
-    from lab.composition import compose
+    from lab.config.composition import compose
     from lab.drafter import load_checkpoint
     from lab.pipeline import RunHooks, run
 
@@ -190,8 +190,8 @@ def test_a_drafter_trained_alike_is_reused_not_trained_again(micro_overrides, mi
 
 
 def test_drafter_key_covers_what_trains_and_nothing_else(micro_overrides, micro_target):
-    from lab.composition import compose
-    from lab.shape import aux_layers
+    from lab.config.composition import compose
+    from lab.config.shape import aux_layers
     from lab.train.resume import drafter_key
 
     def key(*overrides: str, external: dict[str, str] | None = None) -> str:

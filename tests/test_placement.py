@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from lab.composition import compose
 from lab.config import ConfigError
-from lab.identity import config_hash
+from lab.config.composition import compose
+from lab.config.identity import config_hash
 from lab.sweep.engine import _placement
 from lab.sweep.workers import gpu_placement
 

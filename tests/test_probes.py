@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import rollout_accuracy, small_drafter
 
+from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import Eagle3Drafter, init_drafter
 from lab.eval.probes import (
@@ -16,7 +17,6 @@ from lab.eval.probes import (
     shuffled_rollout_counts,
 )
 from lab.eval.reference import speculative_decode
-from lab.shape import aux_layers
 from lab.target import capture
 
 

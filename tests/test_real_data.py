@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lab.assets import AssetError, asset_file, fetch_wheel, pinned
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
 from lab.data import conversations as convs
 from lab.target.chat_template import HandChat, TemplateError, TokenizerChat
 

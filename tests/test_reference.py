@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import evaluate_suite
 
+from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
 from lab.eval.probes import unrolled_rounds
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
-from lab.shape import aux_layers
 from lab.target import capture
 
 TOGGLES = list(itertools.product(["none", "per_layer", "concat"], [False, True], ["rmsnorm", "layernorm"]))

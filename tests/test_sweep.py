@@ -219,7 +219,7 @@ def test_an_edited_profile_makes_another_study(tmp_path, monkeypatch):
     """The same overrides name the profile, but it now trains otherwise: the study's runs must not mix."""
     import shutil
 
-    from lab import composition
+    from lab.config import composition
     from lab.sweep import experiment
 
     configs = tmp_path / "configs"

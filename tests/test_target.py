@@ -72,7 +72,7 @@ def test_aux_id_i_is_the_residual_stream_after_i_layers(micro_target):
 
 
 def test_any_local_hf_directory_loads_as_target(micro_overrides, micro_target):
-    from lab.composition import compose
+    from lab.config.composition import compose
 
     cfg = compose([*micro_overrides, "target=hf", f"target.path={micro_target.path}"])
     target = load(cfg, progress=False)
@@ -84,8 +84,8 @@ def test_any_local_hf_directory_loads_as_target(micro_overrides, micro_target):
 def test_directory_without_config_json_is_refused(tmp_path):
     import pytest
 
-    from lab.composition import compose
     from lab.config import ConfigError
+    from lab.config.composition import compose
 
     with pytest.raises(ConfigError, match=r"^target\.path: .*no config\.json"):
         compose(["target=hf", f"target.path={tmp_path}"])

@@ -16,8 +16,8 @@ import torch
 from helpers import perturb
 from omegaconf import OmegaConf
 
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
 from lab.data.cache import HiddenStates
 from lab.drafter import DrafterSpec, Eagle3Drafter, save_native
 from lab.drafter.unroll import unroll

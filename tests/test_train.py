@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import perturb
 
+from lab.config.shape import aux_layers
 from lab.data.cache import HiddenStates
 from lab.drafter import init_drafter
 from lab.drafter.unroll import unroll
-from lab.shape import aux_layers
 from lab.train import resume
 from lab.train.loss import ttt_loss
 from lab.train.resume import Checkpointing

@@ -10,13 +10,13 @@ import torch
 from cuda_branch import _CudaOnly, cuda_branch
 from helpers import perturb, small_drafter
 
+from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
 from lab.drafter import ttt_attention as ttt_attention_module
 from lab.drafter.ttt_attention import CPU_FLASH, CUDA_EFFICIENT, PORTABLE, SDPA_JOINT, kernel_for, ttt_attention
 from lab.eval.probes import DriftProbes, rollout_counts, shuffled_rollout_counts
 from lab.eval.reference import speculative_decode, target_decode
-from lab.shape import aux_layers
 from lab.train.loss import ttt_loss
 
 

@@ -13,7 +13,7 @@ from helpers import evaluate_suite
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.data.suites import build_suite
 from lab.drafter import DrafterSpec, Eagle3Drafter, load_checkpoint, save_native
 from lab.eval import vllm_backend

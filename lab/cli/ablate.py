@@ -19,8 +19,8 @@ from lab.cli.common import (
     worker_mode,
     worker_options,
 )
-from lab.composition import compose
 from lab.config import redact
+from lab.config.composition import compose
 from lab.sweep.spec_schema import MAX_TRIALS
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from lab.config import SQLITE_STORE, ConfigError
-from lab.rules import PathRule, path_problem
+from lab.config.rules import PathRule, path_problem
 
 Texts = dict[str, str]  # the experiments and sweeps there are (registry `studies`), for the help texts
 STORE_KEYS = ("tracking.uri", "tracking.artifact_root")  # the files of the store `lab ui`, `server`, `doctor` open
@@ -133,7 +133,7 @@ PORT = integer(1, 65535, "a port")
 
 def path_type(*kinds: str | PathRule) -> Callable[[str], str]:
     """An argparse type: a file or folder path (an empty one would mean the current folder, unsaid) of the kinds
-    `kinds` name (lab/rules.py `PathRule`s, or PATH_KINDS names). The rules are the type's `path` attribute: the
+    `kinds` name (lab/config/rules.py `PathRule`s, or PATH_KINDS names). The rules are the type's `path` attribute: the
     parser lists such arguments (`path_args`) and `main` checks each given one on the disk before the verb runs
     (`check_path_args`); tests/test_fuzz_input.py fuzzes every argument that has some. Without kinds, a path
     named and not read here (on the machine that uses it)."""

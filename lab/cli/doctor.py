@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lab.cli.common import STORE_KEYS, Verb
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.preflight import check_paths
 
 # the packages whose versions it prints
@@ -69,7 +69,7 @@ def _check_hash_scheme(uri: str, rekey: bool) -> None:
     """Runs keyed by an older config_hash scheme are not found as done by a study (it would rerun them):
     say so in one line, or re-key them from the config each run logged (lab.track's `rekey`)."""
     from lab import track
-    from lab.identity import CONFIG_HASH_SCHEME
+    from lab.config.identity import CONFIG_HASH_SCHEME
 
     old = track.runs_keyed_before(uri, CONFIG_HASH_SCHEME)
     if not old:

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 
 from lab.cli.common import Verb, fail, integer, path_type, reachable
-from lab.composition import compose
 from lab.config import CHECKPOINT, ConfigError, redact
+from lab.config.composition import compose
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from lab.cli.common import Verb, named, path_type, reachable
-from lab.composition import compose
 from lab.config import ConfigError, redact
+from lab.config.composition import compose
 
 
 def cmd_report(args: argparse.Namespace) -> int:

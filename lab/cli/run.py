@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from lab import metrics as metric_keys
 from lab.cli.common import Verb, fail, overrides_only, reachable
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.preflight import check_paths, check_target, preflight
 
 

@@ -7,10 +7,10 @@ import argparse
 import os
 
 from lab.cli.common import PORT, STORE_KEYS, SWEEP_FILE, Verb, capped_workers, fail, host, integer, path_type
-from lab.composition import compose
 from lab.config import ConfigError, redact
+from lab.config.composition import compose
+from lab.config.rules import PathRule
 from lab.preflight import check_content, check_paths
-from lab.rules import PathRule
 
 # `lab dashboard --storage`: an Optuna storage it reads (a journal file, or a SQLite database by URL)
 INPUT_JOURNAL = PathRule("file", "journal")

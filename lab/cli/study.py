@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 
 from lab.cli.common import STORE_KEYS, SWEEP_FILE, Verb, path_type, reachable
-from lab.composition import compose
 from lab.config import ConfigError, redact
+from lab.config.composition import compose
+from lab.config.rules import PathRule
 from lab.preflight import check_paths
-from lab.rules import PathRule
 
 EPILOG = (  # `lab study -h`'s
     "examples:\n  lab study export experiment=drift_2x2 profile=quick --seeds 0,1 --out drift.tar.gz\n"

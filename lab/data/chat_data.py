@@ -23,7 +23,7 @@ from lab.target import Target
 from lab.target.chat_template import HandChat, TokenizerChat, chat_format
 
 SELECT_SEED = 1234  # fixed: every run and seed trains on the same conversations, so caches are shared
-# MIN_ASSISTANT_ROOM (lab/config.py): a selected conversation's first prompt leaves this many positions to learn from
+# MIN_ASSISTANT_ROOM (lab/config): a selected conversation's first prompt leaves this many positions to learn from
 
 
 @dataclass

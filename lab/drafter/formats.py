@@ -38,10 +38,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from lab.config.shape import vllm_default_aux_layers
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
 from lab.drafter.weights import CONFIG, WEIGHTS, CheckpointError, module_weights
 from lab.fsutil import mismatched_file, sha256_file, staged_output
-from lab.shape import vllm_default_aux_layers
 
 MANIFEST = "lab_manifest.json"
 FORMATS = ("lab", "torchspec", "speculators", "eagle")

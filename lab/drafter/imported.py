@@ -13,9 +13,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lab.config import ConfigError, TargetKind
+from lab.config.shape import target_shape, vllm_default_aux_layers
 from lab.drafter.formats import CheckpointError, CheckpointInfo, inspect_checkpoint
 from lab.drafter.model import DrafterSpec
-from lab.shape import target_shape, vllm_default_aux_layers
 
 KEY = "drafter.checkpoint"
 

@@ -36,8 +36,8 @@ from optuna.trial import TrialState
 
 from lab import metrics as metric_keys
 from lab import track
-from lab.composition import compose
 from lab.config import ConfigError, redact
+from lab.config.composition import compose
 from lab.device import resolve_device
 from lab.pipeline import warm_caches
 from lab.preflight import check_checkpoint

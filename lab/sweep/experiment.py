@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lab import metrics as metric_keys
-from lab.composition import compose
 from lab.config import ConfigError
-from lab.rules import SEED_MAX
+from lab.config.composition import compose
+from lab.config.rules import SEED_MAX
 from lab.sweep import spec_reader
 from lab.sweep.search_space import Objective, Param, Sweep, blame
 from lab.sweep.spec_reader import read_yaml

@@ -13,8 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
 from lab.sweep import experiment, search_space
 from lab.sweep.search_space import Sweep, blame
 

@@ -31,12 +31,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab import metrics as metric_keys
-from lab.composition import compose
 from lab.config import ConfigError
+from lab.config.composition import compose
+from lab.config.identity import config_hash
+from lab.config.rules import PathRule, expected_got, path_problem
 from lab.fsutil import short_hash
-from lab.identity import config_hash
 from lab.preflight import check_checkpoint, check_paths, check_target
-from lab.rules import PathRule, expected_got, path_problem
 from lab.sweep import spec_reader
 from lab.sweep.spec_reader import read_yaml
 from lab.sweep.spec_schema import ParamSpec, SweepSpec

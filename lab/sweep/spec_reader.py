@@ -8,7 +8,7 @@ The CLI prints it as `error: ...` and exits 2.
 
 OmegaConf converts and validates the values of each mapping of the file against its dataclass; this module
 walks the mappings itself (so that a key inside a list or a mapping of mappings is named exactly, which
-OmegaConf's own messages do not always do) and applies the schema's rules with lab/rules.py's engine, the one the
+OmegaConf's own messages do not always do) and applies the schema's rules with lab/config/rules.py's engine, the one the
 config's `check_rules` uses, in the same words: `expected WHAT, got VALUE`.
 """
 
@@ -25,9 +25,8 @@ import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lab import rules
-from lab.config import ConfigError
-from lab.rules import ABSENT, is_optional, strip_optional
+from lab.config import ConfigError, rules
+from lab.config.rules import ABSENT, is_optional, strip_optional
 
 
 def read_yaml(path: Path, where: str) -> Any:

@@ -1,6 +1,6 @@
 """The schema of a study's spec file, as OmegaConf structured dataclasses: `SweepSpec` (`sweeps/NAME.yaml`)
 and `ExperimentSpec` (`experiments/NAME.yaml`). Every key a file may hold is a field here, with its type,
-its default and, where its type does not say it all, its rules (`checked`, lab/rules.py's engine, the one the
+its default and, where its type does not say it all, its rules (`checked`, lab/config/rules.py's engine, the one the
 config schema uses): bounds and checks, and what a good value is in words (the error says it).
 lab/sweep/spec_reader.py checks a parsed file against these classes.
 
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-from lab.rules import SEED_MAX, checked
+from lab.config.rules import SEED_MAX, checked
 
 MAX_TRIALS = 100_000  # a study's trials are queued one by one in its storage before any runs
 # a list of seeds, as the config's `seed` bounds each (its words: "a non-empty list of distinct integers in 0..MAX")

@@ -13,8 +13,8 @@ from optuna.trial import TrialState
 
 from lab import metrics as metric_keys
 from lab import track
-from lab.composition import compose
-from lab.identity import config_hash
+from lab.config.composition import compose
+from lab.config.identity import config_hash
 from lab.pipeline import RunHooks
 from lab.pipeline import run as run_one
 from lab.preflight import check_checkpoint

@@ -75,7 +75,7 @@ TEMPLATES: dict[str, ChatTemplate] = {
         ChatTemplate("user_assistant", user="User: {content}\n", assistant="Assistant: {content}\n", system=None),
     )
 }
-if tuple(TEMPLATES) != TEMPLATE_NAMES:  # validation (lab/validation.py) knows the templates by name only
+if tuple(TEMPLATES) != TEMPLATE_NAMES:  # validation (lab/config/validation.py) knows the templates by name only
     raise ImportError(f"lab.config.TEMPLATE_NAMES must name these templates, in this order: {tuple(TEMPLATES)}")
 
 # The templates of the tiny targets' corpus (lab/target/build.py): a built target knows all of these and no

@@ -24,7 +24,7 @@ import yaml
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-from lab.identity import CONFIG_HASH_SCHEME, config_hash
+from lab.config.identity import CONFIG_HASH_SCHEME, config_hash
 
 _PARAM_BATCH = 100  # MLflow's limit per log_batch call
 # a server store makes MLflow print two "View run" links per run: the workbench prints its own lines

@@ -25,11 +25,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from lab.config import ConfigError, TargetKind, redact
+from lab.config.identity import config_hash
+from lab.config.shape import aux_layers
+from lab.config.validation import check_torchspec_drafter
 from lab.drafter import drafter_spec
 from lab.drafter.model import DrafterSpec
-from lab.identity import config_hash
-from lab.shape import aux_layers
-from lab.validation import check_torchspec_drafter
 
 TRAIN_YAML = "train.yaml"
 DRAFT_JSON = "draft_model.json"

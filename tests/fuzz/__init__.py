@@ -7,13 +7,13 @@ and `oracle` (how a case runs and is judged: `Fuzzer`, `problem`, `file_problem`
 
 The surface is enumerated, not listed, so that a new key or option is fuzzed without editing this file:
 
-- config keys: every field of `lab/config.py`'s `Config`, walked recursively (`suites.*` through one configured
+- config keys: every field of `lab/config`'s `Config`, walked recursively (`suites.*` through one configured
   suite, picked by the seed among those the base run can evaluate, and evaluated in the case);
 - spec keys: every field of `lab/sweep/spec_schema.py`'s `SweepSpec` and `ExperimentSpec` and of the dataclasses
   they hold (a space's parameter, an objective, the sampler, the pruner, an arm), mutated in a valid spec file;
 - options: every verb of `lab.cli.build_parser()` (its subparsers, walked; `VERB worker` where a subparser
   sets `takes_worker`) and every action of each: its options, its positional arguments and its overrides;
-- files and folders: every config key with a `path` rule (lab/rules.py `PathRule`), every argument whose type
+- files and folders: every config key with a `path` rule (lab/config/rules.py `PathRule`), every argument whose type
   has one (lab/cli/common.py `path_type`) and every override a verb takes as a file (`named_files`: `sweep=PATH`), each
   given the paths of its kind (`file_inputs`: missing, empty, binary, truncated, of the other kind, under a
   file, a symlink loop, a model or checkpoint folder with the right names and the wrong contents; for an

@@ -12,7 +12,7 @@ import yaml
 
 from fuzz.mutations import HUGE, hydra_value, mutation, mutation_classes
 from fuzz.surface import CONFIG_KEYS, EXAMPLES, STORE, VERBS, Case, base_argvs, seeded_rng, spec_leaves
-from lab.composition import compose
+from lab.config.composition import compose
 from lab.sweep import spec_schema
 
 

@@ -1,5 +1,5 @@
 """Every config key, option and override that names a file or folder says so in the schema or the parser: a field's
-`path` rules (lab/config.py, `checked(..., path=...)`), an option's type (lab/cli/common.py `path_type(...)`, its `path`
+`path` rules (lab/config, `checked(..., path=...)`), an option's type (lab/cli/common.py `path_type(...)`, its `path`
 attribute) and a verb's `named_files` (`sweep=PATH`). Each rule gets the paths of its kind (`file_inputs`): a
 missing path, an empty file, binary content, a truncated file in the format it reads, a folder for a file and a file
 for a folder, a path under a file, a symlink loop, and a folder with the right names and the wrong contents (a
@@ -19,8 +19,8 @@ from typing import Any
 
 from fuzz.cases import action_words, base_config, drop_option
 from fuzz.surface import STORE, VERBS, Case, base_argvs, seeded_rng
-from lab.rules import PathRule, path_rules
-from lab.validation import ruled_keys
+from lab.config.rules import PathRule, path_rules
+from lab.config.validation import ruled_keys
 
 JSONL_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 BINARY = b"\xff\xfe\x00\x81 not text \x00\xc3\x28" * 8

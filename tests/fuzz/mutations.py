@@ -12,7 +12,7 @@ import typing
 from enum import Enum
 from typing import Any
 
-from lab.rules import strip_optional
+from lab.config.rules import strip_optional
 
 HUGE = 10**12
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from lab import cli
 from lab.config import Config
-from lab.rules import strip_optional
+from lab.config.rules import strip_optional
 
 SEED = int(os.environ.get("LAB_FUZZ_SEED", "21"))
 EXAMPLES = os.environ.get("LAB_FUZZ_EXAMPLES", "140")

@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab.config import ConfigError, TargetKind
-from lab.rules import ABSENT, expected_got
+from lab.config.rules import ABSENT, expected_got
 
 # What the workbench reads from a Hugging Face target's config.json before any model loads (the target's
 # shape); where present, HF_CONFIG_OPTIONAL too (max_position_embeddings: 2048 where it is absent).

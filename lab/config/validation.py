@@ -1,7 +1,7 @@
 """Checks of a composed config that need the whole config (aux layers against the target's depth, head_dim
 against vLLM's CPU kernels, lengths against the target's positions, suites against the data, ...), and of
-every value against its field's rules (`check_rules`, lab/rules.py's engine); from the config alone and a
-target folder's config.json (lab/shape.py). Each raises ConfigError naming the key and what is allowed.
+every value against its field's rules (`check_rules`, lab/config/rules.py's engine); from the config alone and a
+target folder's config.json (lab/config/shape.py). Each raises ConfigError naming the key and what is allowed.
 What this machine has installed, and the user's other files, are lab/preflight.py's to check.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lab import rules
 from lab.config import (
     BACKENDS,
     CHAT_ONLY_SUITES,
@@ -37,15 +36,16 @@ from lab.config import (
     SuiteKind,
     TargetKind,
     redact,
+    rules,
 )
-from lab.shape import aux_layers, max_positions, target_shape
+from lab.config.shape import aux_layers, max_positions, target_shape
 
 
 def validate(cfg: DictConfig) -> None:
     """Every value against its field's rules (`check_rules`), then the checks that need the whole config;
     raises ConfigError naming the key and what is allowed.
 
-    A bound of one value (positive, >= 2, in (0, 1], ...) is declared on its schema field only (lab/config.py
+    A bound of one value (positive, >= 2, in (0, 1], ...) is declared on its schema field only (lab/config
     `checked`) and said by the rule engine, `KEY: expected WHAT, got VALUE`: nothing here checks it again.
     The rules run first, so that the checks below may count on them (no division by a zero target.num_heads,
     no max() of an empty eval.num_speculative_tokens)."""

@@ -1,5 +1,5 @@
 """Composing a config: `configs/` and the Hydra overrides of a command merged onto the schema
-(lab/config.py), `eval.suites=null` resolved, then checked (lab/validation.py's `validate`). Hydra's and
+(lab/config), `eval.suites=null` resolved, then checked (lab/config/validation.py's `validate`). Hydra's and
 OmegaConf's multi-line errors become one ConfigError line naming the key and what is expected there.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab.config import SUITES_FOR_DATA, Config, ConfigError
-from lab.rules import expected_got, expected_words, strip_optional
-from lab.validation import validate
+from lab.config.rules import expected_got, expected_words, strip_optional
+from lab.config.validation import validate
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the Hydra config groups
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"  # the Hydra config groups
 
 _registered = False
 

@@ -1,7 +1,7 @@
-"""The one rule engine for every value a user writes: the config schema (lab/config.py) and the schema of a
+"""The one rule engine for every value a user writes: the config schema (lab/config) and the schema of a
 study's spec files (lab/sweep/spec_schema.py) declare each field's rules with `checked`; `problem` applies them,
 `words` says what a good value is, and `expected_got` is the one form of the error about a bad value,
-`expected WHAT, got VALUE` (the caller puts the key, and the file, in front: lab/validation.py's `check_rules`
+`expected WHAT, got VALUE` (the caller puts the key, and the file, in front: lab/config/validation.py's `check_rules`
 for a config, lab/sweep/spec_reader.py for a spec file).
 
 A field's rules are its metadata:

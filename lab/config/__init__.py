@@ -1,13 +1,13 @@
 """The config schema that every module imports: each knob of the workbench is a field of the dataclasses
 below (Hydra merges the YAML groups under `configs/` onto them), with its type, its default and its bounds
-(`checked`, lab/rules.py's rule engine); the enums of its values; `ConfigError`, the one-line error every
+(`checked`, lab/config/rules.py's rule engine); the enums of its values; `ConfigError`, the one-line error every
 check raises; and the constants other modules check against.
 
 The config's other concerns live beside it, in the same lowest layer (they import nothing of `lab` but each
-other, so that every stage may import them): lab/composition.py composes `configs/` with Hydra overrides into a
-checked config (`compose`, its one-line override errors); lab/shape.py reads the target's shape from the
-config and a HF folder's config.json (`hf_config`, `target_shape`, `aux_layers`); lab/validation.py checks
-what only the whole config can tell (`validate`, `check_rules`); lab/identity.py says what a run is
+other, so that every stage may import them): lab/config/composition.py composes `configs/` with Hydra overrides into a
+checked config (`compose`, its one-line override errors); lab/config/shape.py reads the target's shape from the
+config and a HF folder's config.json (`hf_config`, `target_shape`, `aux_layers`); lab/config/validation.py checks
+what only the whole config can tell (`validate`, `check_rules`); lab/config/identity.py says what a run is
 (`flatten`, `config_hash`, `arm_name`). What needs the machine or the user's files beyond config.json is
 lab/preflight.py's.
 """
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import MISSING
 
-from lab.rules import SEED_MAX, PathRule, checked
+from lab.config.rules import SEED_MAX, PathRule, checked
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -99,14 +99,14 @@ class TargetKind(str, Enum):
     gguf = "gguf"  # a GGUF file (target.path) or a pinned wheel's (target.asset), converted once
 
 
-# the rules the schema's fields share (lab/rules.py says what each means)
+# the rules the schema's fields share (lab/config/rules.py says what each means)
 POSITIVE = {"min": 1}
 SEED = {"min": 0, "max": SEED_MAX}
 SHARE = {"min": 0.0, "max": 1.0}
 NAME = {"nonempty": True}
 RANGE = {"pair": True, "min": 1}  # [low, high] with 1 <= low <= high
 COUNTS = {"nonempty": True, "distinct": True, "min": 1}
-# fields that name a file or folder (lab/rules.py `PathRule`; lab/preflight.py `check_paths` reads them)
+# fields that name a file or folder (lab/config/rules.py `PathRule`; lab/preflight.py `check_paths` reads them)
 HF_MODEL = PathRule("dir", "hf-model", when={"kind": "hf"})
 GGUF_FILE = PathRule("file", "gguf", when={"kind": "gguf"})
 CONVERSATIONS = PathRule(
