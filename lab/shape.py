@@ -67,7 +67,8 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
         "num_layers": t.num_layers,
         "hidden_size": t.hidden_size,
         "num_heads": t.num_heads,
-        "head_dim": t.hidden_size // t.num_heads,
+        # a DeepSeek-V3 model's head_dim (transformers' config, which the drafter is shaped after) is its rope part
+        "head_dim": t.qk_rope_head_dim if t.get("arch", "llama") == "deepseek_v3" else t.hidden_size // t.num_heads,
     }
 
 
