@@ -45,6 +45,19 @@ def micro_target(micro_cfg):
 
 
 @pytest.fixture(scope="session")
+def micro_mla_cfg(micro_overrides):
+    """The micro profile over the micro target's DeepSeek-V3-shaped sibling (MLA + experts)."""
+    return compose(micro_overrides + ["target=micro_mla"])
+
+
+@pytest.fixture(scope="session")
+def micro_mla_target(micro_mla_cfg):
+    from lab.target import load
+
+    return load(micro_mla_cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
 def micro_sequences(micro_cfg, micro_target):
     from lab.data.text import training_sequences
 

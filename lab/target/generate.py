@@ -39,6 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lab.fsutil import last_error_line
+from lab.shape import vllm_engine_options
 
 BACKENDS = ("auto", "hf", "vllm")
 HF_BATCH = 16  # rows of a batch on a CPU
@@ -175,8 +176,50 @@ def open_generator(
         "eos": eos,
         "seed": 0,
     }
+    job["engine_options"] = vllm_engine_options(target.path, job["dtype"], cpu=not torch.cuda.is_available())
     with _VllmWorker(job, log_path) as worker:
         yield Greedy(worker.generate, worker.step, eos, max_positions)
+
+
+def vllm_token_logprobs(
+    target: Any,
+    sequences: list[list[int]],
+    engine_options: dict | None = None,
+    threads: int | None = None,
+    dtype: str = "float32",
+    log_path: str | Path | None = None,
+) -> list[list[float]]:
+    """vLLM's log-probability of each token of each sequence after its first, given those before it (its
+    prompt logprobs), from a vllm worker over `target`'s folder: with the workbench's engine settings for
+    it, or `engine_options` in their place. `hf_token_logprobs` is the transformers side."""
+    job = {
+        "target": str(target.path),
+        "dtype": resolve_dtype(dtype),
+        "max_model_len": int(target.model.config.max_position_embeddings),
+        "max_num_seqs": VLLM_MAX_NUM_SEQS,
+        "kv_cache_gib": 1,
+        "threads": threads,
+        "eos": target.tokenizer.eos_token_id,
+        "seed": 0,
+    }
+    if engine_options is None:
+        engine_options = vllm_engine_options(target.path, job["dtype"], cpu=not torch.cuda.is_available())
+    job["engine_options"] = engine_options
+    with _VllmWorker(job, log_path) as worker:
+        return worker.score(sequences)
+
+
+@torch.no_grad()
+def hf_token_logprobs(model: Any, sequences: list[list[int]]) -> list[list[float]]:
+    """The transformers model's log-probability of each token of each sequence after its first (one
+    unpadded forward per sequence)."""
+    device = model.get_output_embeddings().weight.device
+    out = []
+    for ids in sequences:
+        x = torch.tensor([ids], device=device)
+        logprobs = torch.log_softmax(model(x).logits[0, :-1].float(), dim=-1)
+        out.append(logprobs.gather(-1, x[0, 1:, None])[:, 0].tolist())
+    return out
 
 
 def _until_eos(ids: list[int], eos: int) -> list[int]:
@@ -318,6 +361,13 @@ class _VllmWorker:
         if "outputs" not in reply:
             self._fail(f"vLLM generation failed: {reply.get('error', reply)}")
         return reply["outputs"]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        self._send({"score": sequences})
+        reply = self._read()
+        if "logprobs" not in reply:
+            self._fail(f"vLLM scoring failed: {reply.get('error', reply)}")
+        return reply["logprobs"]
 
     def step(self, requests: Requests) -> dict[int, list[int]]:
         self._send({"add": [[key, prompt, limit] for key, (prompt, limit) in requests.items()]})

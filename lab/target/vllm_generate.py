@@ -7,9 +7,12 @@ A persistent worker: it builds ONE `LLM` over the target folder (engine in this 
 stopping at the job's eos id); or, for a caller that keeps the batch full itself,
 `{"add": [[key, ids, max_tokens], ...]}` -> `{"finished": [[key, ids], ...]}`: the requests join those under
 way, and the engine steps until at least one request finishes (none are left out of a step that finishes
-several); or `{"error": "..."}`. The protocol has the process's stdout to itself:
-file descriptor 1 is pointed at stderr (the parent's log) before vllm is imported, so nothing vLLM or its
-C++ kernels print can interleave with a reply. Only this module, in its own process, imports vllm.
+several); or `{"score": [[ids]]}` -> `{"logprobs": [[lp of each token after the first]]}` (teacher-forced:
+vLLM's prompt logprobs, the parity check against transformers); or `{"error": "..."}`. The job's
+`engine_options` (lab/shape.py `vllm_engine_options`) go to the `LLM` as they are. The protocol has the
+process's stdout to itself: file descriptor 1 is pointed at stderr (the parent's log) before vllm is
+imported, so nothing vLLM or its C++ kernels print can interleave with a reply. Only this module, in its
+own process, imports vllm.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def build(job: dict) -> Any:
         distributed_executor_backend="uni",
         skip_tokenizer_init=True,
         load_format="safetensors",  # never a pickled .bin/.pt
+        **job.get("engine_options", {}),
     )
 
 
@@ -73,6 +77,19 @@ def generate(llm: Any, job: dict, prompts: list[list[int]], max_tokens: list[int
     params = [_params(job, n) for n in max_tokens]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def score(llm: Any, sequences: list[list[int]]) -> list[list[float]]:
+    """The log-probability of each token of each sequence after its first, given the tokens before it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+    return [
+        [float(at[token].logprob) for at, token in zip(o.prompt_logprobs[1:], ids[1:], strict=True)]
+        for o, ids in zip(outs, sequences, strict=True)
+    ]
 
 
 class Stream:
@@ -148,6 +165,9 @@ def main(argv: list[str]) -> int:
                 continue
             if llm.llm_engine.has_unfinished_requests():  # a whole batch would run (and swallow) them too
                 raise RuntimeError("a batch was sent while streamed requests run")
+            if "score" in request:
+                reply(channel, {"logprobs": score(llm, request["score"])})
+                continue
             start = time.perf_counter()
             outputs = generate(llm, job, request["prompts"], request["max_tokens"])
             seconds = time.perf_counter() - start
