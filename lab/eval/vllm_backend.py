@@ -19,12 +19,12 @@ import torch
 from omegaconf import DictConfig
 
 from lab import metrics as metric_keys
+from lab.config.shape import mla_target, vllm_engine_options
 from lab.data.suites import Suite
 from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
 from lab.eval.reference import DecodeStats
 from lab.eval.vllm_worker import PROGRESS
 from lab.fsutil import last_error_line
-from lab.shape import mla_target, vllm_engine_options
 
 Metrics = dict[str, float | list[float]]
 

@@ -80,7 +80,7 @@ def run(job: dict) -> dict:
         distributed_executor_backend="uni",
         skip_tokenizer_init=True,
         load_format="safetensors",  # never a pickled .bin/.pt, for the target and the drafter alike
-        **job.get("engine_options", {}),  # lab/shape.py `vllm_engine_options`: the target's, for both engines
+        **job.get("engine_options", {}),  # lab/config/shape.py `vllm_engine_options`: the target's, for both engines
     )
     # the model's own eos is ignored: a suite stops at its `stop_ids` (the reference decoder's), or at none
     plain = dict(ignore_eos=True, detokenize=False)

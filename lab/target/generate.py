@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from lab.config.shape import vllm_engine_options
 from lab.fsutil import last_error_line
-from lab.shape import vllm_engine_options
 
 BACKENDS = ("auto", "hf", "vllm")
 HF_BATCH = 16  # rows of a batch on a CPU

@@ -9,7 +9,7 @@ stopping at the job's eos id); or, for a caller that keeps the batch full itself
 way, and the engine steps until at least one request finishes (none are left out of a step that finishes
 several); or `{"score": [[ids]]}` -> `{"logprobs": [[lp of each token after the first]]}` (teacher-forced:
 vLLM's prompt logprobs, the parity check against transformers); or `{"error": "..."}`. The job's
-`engine_options` (lab/shape.py `vllm_engine_options`) go to the `LLM` as they are. The protocol has the
+`engine_options` (lab/config/shape.py `vllm_engine_options`) go to the `LLM` as they are. The protocol has the
 process's stdout to itself: file descriptor 1 is pointed at stderr (the parent's log) before vllm is
 imported, so nothing vLLM or its C++ kernels print can interleave with a reply. Only this module, in its
 own process, imports vllm.
