@@ -37,7 +37,10 @@ from mlflow.tracking import MlflowClient
 
 from lab.config import redact
 from lab.fsutil import atomic_file, sha256_file, temp_dir
-from lab.track import _equals, _no_progress_bar, _writing, configure, ensure_experiment, git_commit, local_paths
+from lab.track.queries import _equals, _no_progress_bar
+from lab.track.runs import ensure_experiment, git_commit
+from lab.track.store import configure, local_paths
+from lab.track.writers import _writing
 
 FORMAT = "lab-study-archive"
 SCHEMA = 1  # bump when a reader of version 1 could not read what is written: older labs then refuse it
