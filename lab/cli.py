@@ -633,7 +633,7 @@ def cmd_study_export(args: argparse.Namespace) -> int:
     validated("study export")
     import tempfile
 
-    from lab.track import transfer
+    from lab.track import study_archive as transfer
 
     if note:
         print(f"note: {note}", file=sys.stderr)
@@ -642,7 +642,7 @@ def cmd_study_export(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lab-optuna-") as tmp:
         files, optuna = {}, None
         if url is not None:
-            from lab.sweep import transfer as optuna_transfer
+            from lab.sweep import optuna_archive as optuna_transfer
 
             journal = Path(tmp) / "study.journal"
             trials = optuna_transfer.dump(url, study_name, journal)
@@ -663,7 +663,7 @@ def cmd_study_export(args: argparse.Namespace) -> int:
 
 
 def cmd_study_import(args: argparse.Namespace) -> int:
-    from lab.track import transfer
+    from lab.track import study_archive as transfer
 
     path = Path(args.archive)
     if "=" in args.archive and not path.exists():
@@ -701,7 +701,7 @@ def cmd_study_import(args: argparse.Namespace) -> int:
             result = transfer.apply_import(plan, {"optuna_storage": redact(url)} if url else None)
             optuna_said = ""
             if url is not None:
-                from lab.sweep import transfer as optuna_transfer
+                from lab.sweep import optuna_archive as optuna_transfer
 
                 name = archive.optuna["study"]
                 journal = archive.file(archive.optuna["file"])

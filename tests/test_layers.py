@@ -244,7 +244,7 @@ SWEEP_ORDER = [
     "workers",
     "engine",
     "dashboard",
-    "transfer",  # the Optuna part of a study's archive (`lab study`)
+    "optuna_archive",  # the Optuna part of a study's archive (`lab study`)
 ]
 
 

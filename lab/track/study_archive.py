@@ -4,8 +4,8 @@ The archive is a .tar.gz whose first member is `manifest.json` (format, schema v
 order, and the sha256 of every other member); each run is `runs/RUN_ID/run.json` (experiment, name, status,
 times, tags, params, every metric's full history with steps and timestamps, dataset inputs, the list of its
 artifacts) and its artifacts under `runs/RUN_ID/artifacts/`. Checkpoints (`checkpoint/`) travel only when asked
-for; the Optuna study, when asked for, is one more member written by the caller (lab/sweep/transfer.py), since
-this package does not import Optuna.
+for; the Optuna study, when asked for, is one more member written by the caller (lab/sweep/optuna_archive.py),
+since this package does not import Optuna.
 
 Reading checks the whole archive before anything is written: the gzip stream to its end (its CRC and length),
 every member's name and checksum, the manifest's schema and every run document's shape. Importing creates
