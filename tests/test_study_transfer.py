@@ -409,7 +409,7 @@ def test_an_interrupted_export_leaves_the_archive_that_was_there(source, archive
             raise KeyboardInterrupt
         return info
 
-    monkeypatch.setattr(study_archive, "_plain", killed)
+    monkeypatch.setattr(study_archive.export, "_plain", killed)
     store, parent = source
     argv = ["study", "export", "experiment=drift_2x2", "--run", parent, "--out", str(out), *store.overrides]
     assert main(argv) == 130

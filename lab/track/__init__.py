@@ -10,7 +10,7 @@ as artifacts. The package holds, by concern:
 - `queries`: reading runs, curves, logged configs, JSON artifacts and checkpoints back;
 - `rekey`: `lab doctor --rekey`'s migration of runs keyed by an older config hash scheme;
 - `serving`: a tracking server's reachability and the `mlflow server` / `mlflow ui` command lines;
-- `study_archive`: a study moved between stores as one archive (`lab study export` / `import`);
+- `study_archive/`: a study moved between stores as one archive (`lab study export` / `import`);
 - `ui_app`: the MLflow app `lab ui` and `lab server` run.
 
 The public names of the first six are re-exported here, so that callers write `track.start_run(...)` without
