@@ -543,17 +543,17 @@ def test_report_killed_before_its_rename_is_the_previous_one_or_none(study_store
 
 
 def export(uri: str, parent: str, out: Path) -> None:
-    from lab.track import transfer
+    from lab.track import study_archive
 
     study = {"kind": "experiment", "name": "drift_2x2", "experiment": "drift_2x2", "optuna_study": "drift_2x2-test"}
-    transfer.export_study(uri, parent, out, {**study, "overrides": []})
+    study_archive.export_study(uri, parent, out, {**study, "overrides": []})
 
 
 def archive_runs(out: Path) -> int:
     """The runs in the archive at `out`, read and checked through as `lab study import` reads it."""
-    from lab.track import transfer
+    from lab.track import study_archive
 
-    with transfer.open_archive(out) as archive:
+    with study_archive.open_archive(out) as archive:
         return len(archive.runs)
 
 

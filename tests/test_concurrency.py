@@ -166,6 +166,7 @@ def test_a_store_being_created_is_waited_for_and_a_current_one_opens_without_the
 @pytest.mark.slow
 def test_a_rekey_is_refused_beside_a_writer_and_a_writer_beside_a_rekey(tmp_path):
     from lab import track
+    from lab.track.writers import _writing
 
     uri, artifacts = _sqlite(tmp_path), str(tmp_path / "artifacts")
     store = [f"tracking.uri={uri}", f"tracking.artifact_root={artifacts}"]
@@ -176,7 +177,7 @@ def test_a_rekey_is_refused_beside_a_writer_and_a_writer_beside_a_rekey(tmp_path
         said = subprocess.run([*lab, "doctor", "--rekey", *store], capture_output=True, text=True, cwd=tmp_path)
     assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr
     assert said.stderr.startswith("error: --rekey: refused while `") and f"(pid {os.getpid()}) writes" in said.stderr
-    with track._writing(uri, exclusive=True):  # as `lab doctor --rekey` holds the store
+    with _writing(uri, exclusive=True):  # as `lab doctor --rekey` holds the store
         said = subprocess.run([*lab, "run", *TINY, f"cache_dir={tmp_path / 'cache'}", *store], capture_output=True,
                               text=True, cwd=tmp_path)  # fmt: skip
     assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr

@@ -48,7 +48,7 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
     from helpers import small_drafter
 
     from lab.drafter import save_native
-    from lab.track import transfer
+    from lab.track import study_archive
 
     root = recorded
     # what `lab export SOURCE` exports, and a drafter.checkpoint that fits the micro target (its 512 tokens)
@@ -65,7 +65,7 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
         with track.start_run(uri, art, sweep.experiment, "eagle3-0", child, parent_run_id=parent.id) as run:
             run.log_metrics({"eval/in_dist/ref/k3/al": 2.0})
     study = {"kind": "experiment", "name": exp.name, "experiment": sweep.experiment}
-    transfer.export_study(uri, parent.id, root / "study.tar.gz", study)  # what `lab study import` reads
+    study_archive.export_study(uri, parent.id, root / "study.tar.gz", study)  # what `lab study import` reads
     before = snapshot(root)
     run_id = next(r for r, v in before["runs"].items() if v["tags"].get("study") == "recorded")  # no checkpoint
     specs, files = tmp_path_factory.mktemp("specs"), tmp_path_factory.mktemp("files")
@@ -90,8 +90,8 @@ WORK: dict[str, list[str]] = {
     "ui": ["lab.track.ui_command"],
     "server": ["lab.track.prepare_store"],
     "dashboard": ["lab.sweep.dashboard.bind"],
-    "study export": ["lab.sweep.transfer.dump", "lab.track.transfer.export_study"],
-    "study import": ["lab.track.transfer.apply_import"],
+    "study export": ["lab.sweep.optuna_archive.dump", "lab.track.study_archive.export_study"],
+    "study import": ["lab.track.study_archive.apply_import"],
 }
 
 

@@ -28,7 +28,7 @@ from test_report import ARMS, log_study
 
 from lab import track
 from lab.cli import main
-from lab.track import transfer
+from lab.track import study_archive
 
 TABLES = [f"{t}.{ext}" for t in ("acceptance", "al", "drift", "rollout") for ext in ("csv", "md", "tex")]
 STUDY = "drift_2x2-test"  # the Optuna study and the parent run's `lab.study_key`
@@ -153,7 +153,7 @@ def _report(store: Store, parent: str, out: Path, capsys) -> None:
 
 def _imported(dest: Store) -> dict[str, str]:
     """Original run id -> the run's id in `dest`."""
-    return {r.data.tags[transfer.ORIGIN_TAG]: r.info.run_id for r in dest.runs()}
+    return {r.data.tags[study_archive.ORIGIN_TAG]: r.info.run_id for r in dest.runs()}
 
 
 def _members(path: Path) -> dict[str, bytes]:
@@ -181,7 +181,8 @@ def test_the_archive_carries_the_study_and_says_its_size(source, archive):
     members = _members(path)
     assert next(iter(members)) == "manifest.json"  # first: a reader knows the schema at once
     manifest = json.loads(members["manifest.json"])
-    assert (manifest["format"], manifest["schema"], manifest["parent"]) == (transfer.FORMAT, transfer.SCHEMA, parent)
+    expected = (study_archive.FORMAT, study_archive.SCHEMA, parent)
+    assert (manifest["format"], manifest["schema"], manifest["parent"]) == expected
     assert manifest["optuna"] is None and manifest["with_checkpoints"] is False
     assert set(manifest["files"]) == set(members) - {"manifest.json"}
     assert not [n for n in members if "/artifacts/checkpoint/" in n]  # checkpoints only on request
@@ -212,7 +213,7 @@ def test_an_imported_study_reports_the_same_tables(source, archive, tmp_path, ca
             run.info.run_name,
         )
         pairs = [(src, run.info.run_id), (dst, twin.info.run_id)]
-        moved = {transfer.ORIGIN_TAG, "mlflow.parentRunId"}
+        moved = {study_archive.ORIGIN_TAG, "mlflow.parentRunId"}
         assert {k: v for k, v in twin.data.tags.items() if k not in moved} == {
             k: v for k, v in run.data.tags.items() if k not in moved
         }
@@ -277,7 +278,7 @@ def test_an_import_cut_short_is_completed_by_the_next(archive, tmp_path, capsys,
     assert rc == 0 and out.startswith("imported 8 of 10 runs") and "(2 already there, 1 cut short before" in out
     active = [r for r in dest.runs() if r.info.lifecycle_stage == "active"]
     assert len(active) == 10 and not [r for r in active if "lab.import" in r.data.tags]
-    assert len({r.data.tags[transfer.ORIGIN_TAG] for r in active}) == 10
+    assert len({r.data.tags[study_archive.ORIGIN_TAG] for r in active}) == 10
 
 
 def test_optuna_and_checkpoints_only_on_request(source, tmp_path, capsys):
@@ -408,7 +409,7 @@ def test_an_interrupted_export_leaves_the_archive_that_was_there(source, archive
             raise KeyboardInterrupt
         return info
 
-    monkeypatch.setattr(transfer, "_plain", killed)
+    monkeypatch.setattr(study_archive.export, "_plain", killed)
     store, parent = source
     argv = ["study", "export", "experiment=drift_2x2", "--run", parent, "--out", str(out), *store.overrides]
     assert main(argv) == 130

@@ -75,7 +75,7 @@ def cmd_study_export(args: argparse.Namespace) -> int:
                 f"no Optuna study '{study_name}' in '{redact(url)}' (it holds {', '.join(sorted(held))}); expected the "
                 "storage the study ran with (tracking.optuna_storage)",
             )
-    from lab.track import transfer
+    from lab.track import study_archive
 
     if note:
         print(f"note: {note}", file=sys.stderr)
@@ -84,13 +84,13 @@ def cmd_study_export(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lab-optuna-") as tmp:
         files, optuna = {}, None
         if url is not None:
-            from lab.sweep import transfer as optuna_transfer
+            from lab.sweep import optuna_archive
 
             journal = Path(tmp) / "study.journal"
-            trials = optuna_transfer.dump(url, study_name, journal)
+            trials = optuna_archive.dump(url, study_name, journal)
             files = {"optuna/study.journal": journal}
             optuna = {"study": study_name, "file": "optuna/study.journal", "trials": trials}
-        done = transfer.export_study(uri, parent_id, out, study, args.with_checkpoints, files, optuna)
+        done = study_archive.export_study(uri, parent_id, out, study, args.with_checkpoints, files, optuna)
     size = done.bytes / 1024
     said = f"{size:.1f} KiB" if size < 1024 else f"{size / 1024:.1f} MiB"
     print(
@@ -110,7 +110,7 @@ def cmd_study_import(args: argparse.Namespace) -> int:
     Import an archive of `lab study export` into tracking.uri (see `lab study -h`).
     """
     from lab import track
-    from lab.track import transfer
+    from lab.track import study_archive
 
     path = Path(args.archive)
     if "=" in args.archive and not path.exists():
@@ -127,11 +127,11 @@ def cmd_study_import(args: argparse.Namespace) -> int:
         # create a second parent under the imported one's key
         waiting = f"another lab process is importing into {redact(uri)} or creating a study's parent run there"
         with (
-            transfer.open_archive(path) as archive,  # checked through before anything is written
+            study_archive.open_archive(path) as archive,  # checked through before anything is written
             track.store_lock(uri, "parents", waiting),
         ):
             try:
-                plan = transfer.plan_import(uri, cfg.tracking.artifact_root, archive)
+                plan = study_archive.plan_import(uri, cfg.tracking.artifact_root, archive)
             except ValueError as exc:
                 raise ConfigError("tracking.uri", str(exc)) from None
             url = storage = None
@@ -142,18 +142,18 @@ def cmd_study_import(args: argparse.Namespace) -> int:
                 url = storage_url(cfg)
                 check_optuna_storage(url)
                 storage = open_storage(url)
-            result = transfer.apply_import(plan, {"optuna_storage": redact(url)} if url else None)
+            result = study_archive.apply_import(plan, {"optuna_storage": redact(url)} if url else None)
             optuna_said = ""
             if url is not None:
-                from lab.sweep import transfer as optuna_transfer
+                from lab.sweep import optuna_archive
 
                 name = archive.optuna["study"]
                 journal = archive.file(archive.optuna["file"])
-                written, trials = optuna_transfer.load(journal, storage, name, result.run_ids)
+                written, trials = optuna_archive.load(journal, storage, name, result.run_ids)
                 optuna_said = f"; Optuna study {name} ({trials} trials) " + (
                     f"into {redact(url)}" if written else f"already in {redact(url)}"
                 )
-    except transfer.ArchiveError as exc:
+    except study_archive.ArchiveError as exc:
         raise ConfigError("ARCHIVE", f"{path}: {exc}") from None
     study = archive.study
     replaced = f", {result.replaced} cut short before and imported again" if result.replaced else ""

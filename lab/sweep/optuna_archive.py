@@ -2,7 +2,7 @@
 copied into a journal file of its own, and from there into the destination's storage.
 
 Only Optuna's public API is used (`copy_study`, `create_study`, `add_trials`); the MLflow part of the archive
-is lab/track/transfer.py's. On import the trials' `mlflow_run_id` and the study's `mlflow_parent_run_id` are
+is lab/track/study_archive/'s. On import the trials' `mlflow_run_id` and the study's `mlflow_parent_run_id` are
 rewritten to the runs' ids in the destination store, so that the engine resuming the study there finds its
 runs. A study already in the destination is left as it is (importing twice changes nothing), unless an import
 was cut short while writing it (its user attribute `lab.import` is still `partial`): then it is written again.

@@ -1,0 +1,190 @@
+"""Reading a store: runs by id, a study's parent and child runs, a run's curves, config and JSON artifacts, its
+drafter checkpoint downloaded. A reader never creates an empty local store where none was recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import yaml
+from mlflow.tracking import MlflowClient
+
+from lab.track.store import configure, local_paths
+
+
+def _equals(field: str, value: str) -> str:
+    """An MLflow filter clause `field = value`, quoted so that the value cannot end its string early."""
+    value = str(value)
+    if "'" not in value:
+        return f"{field} = '{value}'"
+    if '"' not in value:
+        return f'{field} = "{value}"'
+    raise ValueError(f"{field}: {value!r} has both kinds of quotes, which an MLflow filter cannot hold")
+
+
+def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[Any]:
+    """Runs nested under `parent_run_id` (optionally only those with `status`, e.g. FINISHED)."""
+    configure(uri)
+    client = MlflowClient()
+    parent = client.get_run(parent_run_id)
+    query = _equals("tags.`mlflow.parentRunId`", parent_run_id)
+    if status:
+        query += f" and {_equals('attributes.status', status)}"
+    return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
+
+
+def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
+    """Parent runs of the studies of sweep or experiment `sweep` in MLflow experiment `experiment`,
+    newest first (one per set of result-changing overrides)."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        return []  # nothing recorded yet; reading must not create an empty store
+    configure(uri)
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    query = f"tags.`lab.role` = 'parent' and {_equals('tags.sweep', sweep)}"
+    return client.search_runs([exp.experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
+
+
+def _existing_store(uri: str) -> None:
+    """ValueError when a local store does not exist: reading it must not create an empty one."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        raise ValueError(f"tracking.uri: no MLflow store at {db} (expected the store that recorded the runs)")
+    configure(uri)
+
+
+def get_run(uri: str, run_id: str) -> Any:
+    """A run by id; ValueError naming the id when the store has no such run."""
+    _existing_store(uri)
+    try:
+        return MlflowClient().get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise ValueError(f"run '{run_id}': not found in {uri}") from None
+
+
+def run_checkpoint(uri: str, run_id: str, dst: str | Path) -> tuple[Path, dict[str, str]]:
+    """The drafter checkpoint logged by run `run_id`, downloaded into `dst`, and the run's tags."""
+    _existing_store(uri)
+    client = MlflowClient()
+    try:
+        run = client.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise ValueError(f"run '{run_id}': not found in {uri} (expected a run id or a checkpoint folder)") from None
+    try:
+        with _no_progress_bar():  # a command's stderr is for its one error line
+            path = client.download_artifacts(run_id, "checkpoint", str(dst))
+    except (OSError, mlflow.exceptions.MlflowException):
+        raise ValueError(
+            f"run '{run_id}': no checkpoint artifact (expected a run logged with tracking.log_checkpoint=true)"
+        ) from None
+    return Path(path), dict(run.data.tags)
+
+
+@dataclass
+class TrainedRun:
+    """A finished run that trained a drafter: its id, the run that trained it first (itself, unless it
+    reused one), its checkpoint downloaded, and its training curves (metric -> [(step, value)])."""
+
+    run_id: str
+    trained_by: str
+    checkpoint: Path
+    curves: dict[str, list[tuple[int, float]]]
+
+
+def trained_run(uri: str, train_key: str, dst: str | Path, is_curve: Callable[[str], bool]) -> TrainedRun | None:
+    """The earliest finished run of any experiment tagged `train_key` that logged a drafter checkpoint, the
+    checkpoint downloaded into `dst` and its metrics that `is_curve` picks read; None when none has."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        return None  # nothing recorded yet; reading must not create an empty store
+    configure(uri)
+    client = MlflowClient()
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"{_equals('tags.train_key', train_key)} and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time ASC"],
+    )
+    for run in runs:
+        run_id = run.info.run_id
+        try:
+            with _no_progress_bar():
+                path = client.download_artifacts(run_id, "checkpoint", str(dst))
+        except (OSError, mlflow.exceptions.MlflowException):
+            continue  # logged without its checkpoint (tracking.log_checkpoint=false)
+        curves = {
+            key: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+            for key in run.data.metrics
+            if is_curve(key)
+        }
+        return TrainedRun(run_id, run.data.tags.get("trained_by_run", run_id), Path(path), curves)
+    return None
+
+
+@contextlib.contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """MLflow without its artifact download bar (it writes to stderr even when nothing is downloaded)."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def metric_curve(uri: str, run_id: str, key: str) -> list[float]:
+    """A curve logged with step = 1, 2, ...: its values in step order."""
+    configure(uri)
+    history = MlflowClient().get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]:
+    """The runs of MLflow experiment `experiment` that `filter_string` matches; none when it does not exist."""
+    configure(uri)
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return client.search_runs([exp.experiment_id], filter_string=filter_string)
+
+
+def logged_config(uri: str, run_id: str) -> dict | None:
+    """The resolved config a run logged (`config.yaml`), or None when it has none."""
+    configure(uri)
+    try:
+        return yaml.safe_load(mlflow.artifacts.load_text(f"runs:/{run_id}/config.yaml"))
+    except (OSError, mlflow.exceptions.MlflowException, yaml.YAMLError):
+        return None
+
+
+def run_json(uri: str, run_id: str, path: str) -> dict | None:
+    """A JSON artifact of a run (e.g. `per_prompt/in_dist.json`), or None when the run has none (a run
+    logged before that artifact existed) or it is not a JSON object."""
+    configure(uri)
+    quiet = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"  # a report reads one per run and suite: no bar for each
+    before = os.environ.get(quiet)
+    os.environ[quiet] = "false"
+    try:
+        data = json.loads(mlflow.artifacts.load_text(f"runs:/{run_id}/{path}"))
+    except (OSError, mlflow.exceptions.MlflowException, ValueError):
+        return None
+    finally:
+        if before is None:
+            del os.environ[quiet]
+        else:
+            os.environ[quiet] = before
+    return data if isinstance(data, dict) else None
