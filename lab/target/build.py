@@ -115,24 +115,31 @@ def encode_documents(tokenizer, docs: list[str | chat.ChatDocument]) -> torch.Te
     return torch.tensor([i for d in docs for i in chat.document_ids(renderer, d)], dtype=torch.long)
 
 
-def llama_config(tcfg: DictConfig, tokenizer):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _shared_config(tcfg: DictConfig, tokenizer) -> dict:
+    """What every built architecture's HF config takes alike: sizes, special tokens, untied embeddings."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=tcfg.hidden_size,
         intermediate_size=tcfg.intermediate_size,
         num_hidden_layers=tcfg.num_layers,
         num_attention_heads=tcfg.num_heads,
         num_key_value_heads=tcfg.num_heads,
-        head_dim=tcfg.hidden_size // tcfg.num_heads,
         max_position_embeddings=tcfg.max_positions,
-        rope_theta=tcfg.rope_theta,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
         eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+
+
+def llama_config(tcfg: DictConfig, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **_shared_config(tcfg, tokenizer),
+        head_dim=tcfg.hidden_size // tcfg.num_heads,
+        rope_theta=tcfg.rope_theta,
+        rms_norm_eps=1e-5,
     )
 
 
@@ -143,13 +150,8 @@ def deepseek_v3_config(tcfg: DictConfig, tokenizer):
     from transformers import DeepseekV3Config
 
     config = DeepseekV3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=tcfg.hidden_size,
-        intermediate_size=tcfg.intermediate_size,
+        **_shared_config(tcfg, tokenizer),
         moe_intermediate_size=tcfg.moe_intermediate_size,
-        num_hidden_layers=tcfg.num_layers,
-        num_attention_heads=tcfg.num_heads,
-        num_key_value_heads=tcfg.num_heads,
         q_lora_rank=tcfg.q_lora_rank,
         kv_lora_rank=tcfg.kv_lora_rank,
         qk_nope_head_dim=tcfg.qk_nope_head_dim,
@@ -161,14 +163,9 @@ def deepseek_v3_config(tcfg: DictConfig, tokenizer):
         first_k_dense_replace=tcfg.first_k_dense_replace,
         n_group=1,
         topk_group=1,
-        max_position_embeddings=tcfg.max_positions,
         rope_parameters={"rope_type": "default", "rope_theta": float(tcfg.rope_theta)},
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         num_mtp_layers=0,
-        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
-        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
-        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
     )
     config.architectures = ["DeepseekV3ForCausalLM"]
     config.topk_method, config.scoring_func = "noaux_tc", "sigmoid"  # as DeepSeek-V3's config.json says
