@@ -32,9 +32,8 @@ class Verb:
     summary `lab -h` lists (lab/cli/registry.py holds the same words, so that listing imports no verb), the
     others the description `lab VERB -h` shows, filled to 100 columns unless `fill` is False (then each is one
     line). `arguments` adds the verb's arguments to its parser; `epilog` is a text or a function of the studies
-    there are. `takes_worker`: `lab VERB worker ...` joins a running study (tests/test_fuzz_input.py fuzzes it
-    too); `named_files`: overrides the verb takes as a file (`sweep=PATH`), each with its `PathRule`
-    (tests/test_fuzz_input.py fuzzes them as it does path options)."""
+    there are. `takes_worker`: `lab VERB worker ...` joins a running study; `named_files`: overrides the verb takes
+    as a file (`sweep=PATH`), each with its `PathRule`, checked on the disk as path options are."""
 
     handler: Callable[[argparse.Namespace], int]
     arguments: Callable[[argparse.ArgumentParser], None]
@@ -135,7 +134,7 @@ def path_type(*kinds: str | PathRule) -> Callable[[str], str]:
     """An argparse type: a file or folder path (an empty one would mean the current folder, unsaid) of the kinds
     `kinds` name (lab/config/rules.py `PathRule`s, or PATH_KINDS names). The rules are the type's `path` attribute: the
     parser lists such arguments (`path_args`) and `main` checks each given one on the disk before the verb runs
-    (`check_path_args`); tests/test_fuzz_input.py fuzzes every argument that has some. Without kinds, a path
+    (`check_path_args`), so a bad path is said before the verb's work. Without kinds, a path
     named and not read here (on the machine that uses it)."""
     rules = tuple(PathRule(k) if isinstance(k, str) else k for k in kinds)
 

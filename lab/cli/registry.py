@@ -1,7 +1,7 @@
 """The verbs of `lab`: where each one's module is and its one-line summary (as pip's `commands_dict`), so that
 `lab --help` lists them all and a command imports only the module of the verb it runs. A verb's module holds
-its handler, its arguments and its help (lab/cli/common.py `Verb`); tests/test_cli.py keeps the summaries here
-equal to the handlers' docstrings.
+its handler, its arguments and its help (lab/cli/common.py `Verb`); the summaries here repeat the handlers'
+docstrings' first lines, so that listing the verbs imports none of them.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The engine needs more than Optuna's public `Study` / `Trial` API: a trial's stor
 atomic WAITING -> RUNNING, attributes of a trial by id), the process-wide storage cache, a `Trial` made for a
 trial taken from the queue, and the bookkeeping of the (experimental) retry callback in system attributes.
 They are all here, so that an Optuna upgrade that changes them changes this file only. Nothing else in
-`lab/` reads `_trial_id` or calls a storage method (tests/test_layers.py checks).
+`lab/` reads `_trial_id` or calls a storage method.
 """
 
 from __future__ import annotations

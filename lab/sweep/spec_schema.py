@@ -7,7 +7,7 @@ lab/sweep/spec_reader.py checks a parsed file against these classes.
 A class's `EXPECTED` says what its mapping is, and `shorthand` (where there is one) expands the short form
 a file may write instead of the mapping (`sampler: tpe` for `sampler: {name: tpe}`).
 
-It imports nothing of `lab` but the rule engine (tests/test_layers.py checks).
+It imports nothing of `lab` but the rule engine, so that a spec file is checked without Hydra or Optuna.
 """
 
 from __future__ import annotations
