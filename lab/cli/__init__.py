@@ -13,28 +13,31 @@ import importlib
 import sys
 from types import ModuleType
 
-from lab.cli.common import Parser, Texts, Verb, check_path_args, described, fail
-from lab.cli.registry import COMMANDS, EPILOG, Command, named_in, studies
+from lab.cli.common import HelpNames, Parser, Verb, check_path_args, described, fail
+from lab.cli.registry import COMMANDS, EPILOG, Command, help_names, named_in
 from lab.config import ConfigError
 
 
 def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
     """The `lab` parser: every verb of the registry listed, and the arguments and help texts of those `words`
     names (None: of every verb, for the tests that walk the parser)."""
-    texts = studies()
+    names = help_names()
     loaded = set(COMMANDS if words is None else named_in(words))
     parser = Parser(
         prog="lab",
         description="EAGLE-3 / EAGLE 3.1 ablation workbench.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=EPILOG.format(**texts),
+        epilog=EPILOG.format(**names),
     )
     groups: dict[str, argparse._SubParsersAction] = {"": parser.add_subparsers(dest="verb", required=True)}
     for name, command in COMMANDS.items():
         group, _, verb = name.rpartition(" ")
         target = _load(command) if name in loaded and command.module is not None else None
         sub = groups[group].add_parser(
-            verb, help=command.summary, formatter_class=argparse.RawDescriptionHelpFormatter, **_texts(target, texts)
+            verb,
+            help=command.summary,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            **_help_texts(target, names),
         )
         if command.attr is None:  # a group: its verbs follow it in COMMANDS
             groups[name] = sub.add_subparsers(dest=f"{name}_verb", required=True)
@@ -49,13 +52,13 @@ def _load(command: Command) -> Verb | ModuleType:
     return module if command.attr is None else getattr(module, command.attr)
 
 
-def _texts(target: Verb | ModuleType | None, texts: Texts) -> dict[str, str | None]:
+def _help_texts(target: Verb | ModuleType | None, names: HelpNames) -> dict[str, str | None]:
     """The usage, description and epilog of a loaded verb or group (a group's: its module's docstring and
     EPILOG); none of an unloaded one, whose help no command line asks for."""
     if target is None:
         return {}
     if isinstance(target, Verb):
-        epilog = target.epilog(texts) if callable(target.epilog) else target.epilog
+        epilog = target.epilog(names) if callable(target.epilog) else target.epilog
         return {"usage": target.usage, "description": target.description, "epilog": epilog}
     return {"description": described(target.__doc__), "epilog": getattr(target, "EPILOG", None)}
 

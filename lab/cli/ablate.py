@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 
 from lab.cli.common import (
     SWEEP_FILE,
-    Texts,
+    HelpNames,
     Verb,
     capped_workers,
     integer,
@@ -170,18 +170,18 @@ def _sweep_arguments(p: argparse.ArgumentParser) -> None:
     _study_arguments(p)
 
 
-def _ablate_epilog(studies: Texts) -> str:
+def _ablate_epilog(names: HelpNames) -> str:
     return (
-        f"experiments: {studies['experiments']}\n"
+        f"experiments: {names['experiments']}\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
         "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
         "  lab ablate experiment=drift_2x2 profile=micro"
     )
 
 
-def _sweep_epilog(studies: Texts) -> str:
+def _sweep_epilog(names: HelpNames) -> str:
     return (
-        f"sweeps: {studies['sweeps']}\n"
+        f"sweeps: {names['sweeps']}\n"
         "examples:\n  lab sweep sweep=toggles_grid --workers 2 profile=micro\n"
         "  lab sweep sweep=tpe_eagle31 --trials 40\n"
         "  lab sweep worker sweep=tpe_eagle31 tracking.optuna_storage=postgresql://user@host/optuna"

@@ -20,7 +20,7 @@ from typing import NoReturn
 from lab.config import SQLITE_STORE, ConfigError
 from lab.config.rules import PathRule, path_problem
 
-Texts = dict[str, str]  # the experiments and sweeps there are (registry `studies`), for the help texts
+HelpNames = dict[str, str]  # "experiments", "sweeps", "top_level" -> the names there are, for the help texts
 STORE_KEYS = ("tracking.uri", "tracking.artifact_root")  # the files of the store `lab ui`, `server`, `doctor` open
 # `sweep=PATH`: a sweep spec given by its file instead of its name (lab/sweep/spec.py `load`)
 SWEEP_FILE = ("sweep", PathRule("file", "yaml", what="a sweep spec file (YAML)"))
@@ -37,7 +37,7 @@ class Verb:
 
     handler: Callable[[argparse.Namespace], int]
     arguments: Callable[[argparse.ArgumentParser], None]
-    epilog: str | Callable[[Texts], str] | None = None
+    epilog: str | Callable[[HelpNames], str] | None = None
     usage: str | None = None
     fill: bool = True
     takes_worker: bool = False

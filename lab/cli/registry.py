@@ -103,7 +103,7 @@ def named_in(words: list[str]) -> list[str]:
     return [name for name in COMMANDS if set(name.split()) <= given]
 
 
-def studies() -> dict[str, str]:
+def help_names() -> dict[str, str]:
     """The experiments and sweeps there are, and the config's top-level keys, for the help texts (read from
     their folders and the schema, not listed here)."""
     import dataclasses
