@@ -5,6 +5,9 @@ drafter shaped after an MLA or a dense target."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,3 +142,73 @@ def test_mla_decoding_equals_the_ttt_unroll():
 def test_a_value_head_wider_than_the_query_key_head_is_refused():
     with pytest.raises(ValueError, match="drafter.v_head_dim: expected at most 24"):
         small_drafter(**{**UNEQUAL, "v_head_dim": 32})
+
+
+def _dcfg(**over):
+    from omegaconf import OmegaConf
+
+    from lab.config import DrafterConfig
+
+    return OmegaConf.merge(OmegaConf.structured(DrafterConfig(name="t")), over)
+
+
+def test_a_fresh_mla_drafter_is_shaped_after_an_mla_or_a_dense_target():
+    """Over an MLA target the drafter takes the target's MLA dims, over a dense one the config's; GQA over an
+    MLA target keeps its Llama attention."""
+    from types import SimpleNamespace
+
+    from lab.drafter.build import drafter_spec
+
+    dense = SimpleNamespace(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, vocab_size=100, intermediate_size=96,
+        max_position_embeddings=256, rope_theta=10000.0,
+    )  # fmt: skip
+    mla_target = SimpleNamespace(
+        **vars(dense), head_dim=64, q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=16,
+    )  # fmt: skip
+    spec = drafter_spec(mla_target, _dcfg(attention="mla", q_lora_rank=8, v_head_dim=32), [1, 2, 3])
+    assert (spec.attention, spec.q_lora_rank, spec.kv_lora_rank, spec.v_head_dim) == ("mla", 32, 512, 16)
+    assert spec.num_kv_heads == 2 and spec.head_dim == 96
+    spec = drafter_spec(dense, _dcfg(attention="mla", q_lora_rank=8, kv_lora_rank=256), [1, 2, 3])
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.v_head_dim) == (8, 256, 64, 32)
+    gqa = drafter_spec(mla_target, _dcfg(), [1, 2, 3])
+    assert (gqa.attention, gqa.head_dim, gqa.q_lora_rank) == ("gqa", 64, None)
+    with pytest.raises(ValueError, match="^drafter.q_lora_rank: required"):
+        drafter_spec(dense, _dcfg(attention="mla"), [1, 2, 3])
+
+
+@pytest.mark.slow  # builds the micro MLA target (about 25 s)
+def test_init_drafter_over_micro_mla(micro_mla_cfg, micro_mla_target):
+    """A fresh MLA drafter over the micro MLA target drafts: its logits are finite, MLAttention in every layer."""
+    from lab.config.shape import aux_layers
+    from lab.drafter import init_drafter
+
+    dcfg = _dcfg(attention="mla", num_layers=2, draft_vocab_size=None)
+    drafter = init_drafter(micro_mla_target, dcfg, aux_layers(micro_mla_cfg), seed=0)
+    assert all(isinstance(layer.self_attn, MLAttention) for layer in drafter.layers)
+    tc = micro_mla_target.model.config
+    assert drafter.layers[0].self_attn.kv_a_proj_with_mqa.weight.shape == (tc.kv_lora_rank + tc.qk_rope_head_dim, 2 * tc.hidden_size)
+    t = 6
+    aux = torch.randn(1, t, drafter.spec.num_aux * drafter.spec.target_hidden_size)
+    with torch.no_grad():
+        h = drafter(torch.arange(t)[None], drafter.project(aux), torch.arange(t)[None], KVCache(2))
+    assert torch.isfinite(drafter.logits(h)).all()
+
+
+@pytest.mark.slow
+def test_lab_run_trains_an_mla_drafter_on_micro_mla(micro_overrides, micro_mla_target, workdir):
+    """Capture, training and the reference evaluation of an EAGLE 3.1 MLA drafter over micro_mla, in MLflow."""
+    import mlflow
+
+    cmd = [sys.executable, "-m", "lab.cli", "run", *micro_overrides, "target=micro_mla", "drafter=eagle31"]
+    cmd += ["drafter.attention=mla", "eval.backends=[ref]", "study=mla-drafter-test", "train.steps=20"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"}, cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlruns' / 'mlflow.db'}")
+    (run,) = mlflow.search_runs(experiment_names=["mla-drafter-test"], output_format="list")
+    metrics, params = run.data.metrics, run.data.params
+    assert run.info.status == "FINISHED" and params["drafter.attention"] == "mla"
+    assert params["drafter.q_lora_rank"] == "None"  # the dims are the target's (its q_lora_rank: 32)
+    assert math.isfinite(metrics["train/loss"]) and metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
+    assert 1.0 <= metrics["eval/in_dist/ref/k3/al"] <= 4.0
