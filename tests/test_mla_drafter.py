@@ -188,7 +188,10 @@ def test_init_drafter_over_micro_mla(micro_mla_cfg, micro_mla_target):
     drafter = init_drafter(micro_mla_target, dcfg, aux_layers(micro_mla_cfg), seed=0)
     assert all(isinstance(layer.self_attn, MLAttention) for layer in drafter.layers)
     tc = micro_mla_target.model.config
-    assert drafter.layers[0].self_attn.kv_a_proj_with_mqa.weight.shape == (tc.kv_lora_rank + tc.qk_rope_head_dim, 2 * tc.hidden_size)
+    assert drafter.layers[0].self_attn.kv_a_proj_with_mqa.weight.shape == (
+        tc.kv_lora_rank + tc.qk_rope_head_dim,
+        2 * tc.hidden_size,
+    )
     t = 6
     aux = torch.randn(1, t, drafter.spec.num_aux * drafter.spec.target_hidden_size)
     with torch.no_grad():
@@ -212,3 +215,79 @@ def test_lab_run_trains_an_mla_drafter_on_micro_mla(micro_overrides, micro_mla_t
     assert params["drafter.q_lora_rank"] == "None"  # the dims are the target's (its q_lora_rank: 32)
     assert math.isfinite(metrics["train/loss"]) and metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
     assert 1.0 <= metrics["eval/in_dist/ref/k3/al"] <= 4.0
+
+
+MLA_WEIGHTS = [
+    "fc.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight", "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.q_a_proj.weight",
+    "layers.0.self_attn.q_a_layernorm.weight", "layers.0.self_attn.q_b_proj.weight",
+    "layers.0.self_attn.kv_a_proj_with_mqa.weight", "layers.0.self_attn.kv_a_layernorm.weight",
+    "layers.0.self_attn.kv_b_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_mla_checkpoint_is_vllms_deepseek_v2_eagle3_and_round_trips(tmp_path, draft_vocab):
+    """The native export of an MLA drafter is what vLLM's Eagle3DeepseekV2ForCausalLM loads (names, shapes,
+    model_type deepseek_v2, the MLA dims), and reads back into a drafter that drafts exactly the same."""
+    import json
+
+    from safetensors import safe_open
+
+    from lab.drafter import load_checkpoint, save_native, vllm_incompatibility
+
+    d = perturb(small_drafter(**MLA, fc_norm="per_layer", norm_output=True, draft_vocab_size=draft_vocab), draft_vocab)
+    save_native(d, tmp_path / "ckpt")
+    cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v2"
+    assert {
+        k: cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    } == {k: v for k, v in MLA.items() if k != "attention"}
+    assert cfg["num_key_value_heads"] == cfg["num_attention_heads"] == 2 and cfg["fc_norm"] and cfg["norm_output"]
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice("layers.0.self_attn.kv_a_proj_with_mqa.weight").get_shape() == [576, 128]
+        assert f.get_slice("layers.0.self_attn.kv_b_proj.weight").get_shape() == [2 * (32 + 32), 512]
+    extra = {"embed_tokens.weight"} | ({"d2t", "t2d"} if draft_vocab else set())
+    assert names == set(MLA_WEIGHTS) | extra
+    assert vllm_incompatibility(d.spec) is None
+    back = load_checkpoint(tmp_path / "ckpt")
+    assert back.spec.attention == "mla" and back.spec.to_dict() == d.spec.to_dict()
+    g = torch.Generator().manual_seed(2)
+    tokens, aux = torch.randint(0, 100, (2, 9), generator=g), torch.randn(2, 9, 192, generator=g)
+    with torch.no_grad():
+        a = [d.logits(h) for h in unroll(d, tokens, aux, 3)]
+        b = [back.logits(h) for h in unroll(back, tokens, aux, 3)]
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_a_hand_built_vllm_mla_draft_loads(tmp_path):
+    """A draft in the layout vLLM served (/work/shared/mla/build.py: `midlayer.*` names, no lab keys) loads as an
+    MLA drafter; deepseek_v3, which vLLM reroutes to MTP, is refused in one line."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from lab.drafter import CheckpointError, load_checkpoint
+
+    d = perturb(small_drafter(**MLA, fc_norm="per_layer", norm_output=True))
+    state = {k.replace("layers.0.", "midlayer."): v for k, v in d.export_weights().items()}
+    cfg = {
+        "architectures": ["Eagle3DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 100,
+        "draft_vocab_size": 100, "target_hidden_size": 64, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "attention_bias": False,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "fc_norm": True, "norm_output": True,
+        "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        **{k: v for k, v in MLA.items() if k != "attention"},
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(state, str(tmp_path / "model.safetensors"))
+    back = load_checkpoint(tmp_path)
+    for (name, p), q in zip(d.state_dict().items(), back.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
+    with pytest.raises(CheckpointError, match="deepseek_v3' names vLLM's MTP drafter; expected deepseek_v2"):
+        load_checkpoint(tmp_path)

@@ -70,6 +70,9 @@ class DrafterSpec:
         self.num_kv_heads = self.num_kv_heads or self.num_heads
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         self.aux_layer_ids = list(self.aux_layer_ids)
+        if self.attention == "mla":  # one KV head per query head; head_dim is the query-key head's
+            self.num_kv_heads = self.num_heads
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def rope_dim(self) -> int:
