@@ -270,7 +270,7 @@ def test_a_hand_built_vllm_mla_draft_loads(tmp_path):
 
     from safetensors.torch import save_file
 
-    from lab.drafter import CheckpointError, load_checkpoint
+    from lab.drafter import CheckpointError, imported, load_checkpoint
 
     d = perturb(small_drafter(**MLA, fc_norm="per_layer", norm_output=True))
     state = {k.replace("layers.0.", "midlayer."): v for k, v in d.export_weights().items()}
@@ -288,6 +288,8 @@ def test_a_hand_built_vllm_mla_draft_loads(tmp_path):
     back = load_checkpoint(tmp_path)
     for (name, p), q in zip(d.state_dict().items(), back.state_dict().values(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
+    values = imported.config_values(back.spec, "eagle")  # the run's drafter.* params of an imported MLA drafter
+    assert values["name"] == "eagle-eagle31+mla" and values["attention"] == "mla" and values["q_lora_rank"] == 24
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
     with pytest.raises(CheckpointError, match="deepseek_v3' names vLLM's MTP drafter; expected deepseek_v2"):
         load_checkpoint(tmp_path)
