@@ -33,6 +33,8 @@ from lab.assets import check_gguf_file
 from lab.config import (
     TARGET_TEMPLATE,
     TEMPLATE_NAMES,
+    VLLM_MLA_LATENT,
+    Attention,
     ConfigError,
     DataSource,
     Device,
@@ -43,6 +45,7 @@ from lab.config import (
     TargetKind,
 )
 from lab.config.rules import PathRule, path_problem, path_rules
+from lab.config.shape import drafter_mla_dims
 from lab.config.validation import ruled_keys
 
 SAMPLE = [
@@ -373,6 +376,19 @@ def check_vllm_servable(cfg: DictConfig) -> None:
         if reason:
             raise ConfigError("eval.backends", f"'vllm' cannot serve drafter.checkpoint={d.checkpoint}: {reason}")
         return
+    if "vllm" in cfg.eval.backends and d.attention == Attention.mla:
+        dims, keys = drafter_mla_dims(cfg)
+        latent = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
+        if latent != VLLM_MLA_LATENT:
+            raise ConfigError(
+                keys["kv_lora_rank"],
+                f"vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = {VLLM_MLA_LATENT} (512 + 64), got "
+                f"{dims['kv_lora_rank']} + {dims['qk_rope_head_dim']} = {latent}; or evaluate with eval.backends=[ref]",
+            )
+        raise ConfigError(
+            "eval.backends",
+            "'vllm' does not serve an MLA drafter yet (drafter.attention=mla); expected eval.backends=[ref]",
+        )
     if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
         raise ConfigError(
             "eval.backends",

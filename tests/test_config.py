@@ -50,9 +50,13 @@ def test_every_config_file_composes(group, name, fake_hf, tmp_path):
         if name == "jsonl":
             (tmp_path / "p.jsonl").write_text('{"prompt": "def f():"}\n')
             overrides.append(f"suites.jsonl.path={tmp_path / 'p.jsonl'}")
+    if (group, name) == ("attention", "mla"):  # over a dense target MLA needs a query rank
+        overrides.append("drafter.q_lora_rank=64")
     cfg = compose(overrides)
     if group == "profile":  # a `@package _global_` delta over the defaults
         assert config_hash(cfg) != config_hash(compose([]))
+    elif group == "attention":  # the drafter's attention, a `@package _global_` toggle
+        assert cfg.drafter.attention.value == name
     else:
         assert cfg["suites" if group == "suite" else group] is not None
     assert flatten(cfg)  # every value is representable as an MLflow param
@@ -90,7 +94,7 @@ def test_default_aux_layers_spread_over_the_target():
 
 
 BAD = [
-    (["drafter.foo=1"], "drafter.foo", "allowed under 'drafter': aux_layers, checkpoint, draft_vocab_size, fc_norm"),
+    (["drafter.foo=1"], "drafter.foo", "allowed under 'drafter': attention, aux_layers, checkpoint, draft_vocab_size"),
     (["foo=1"], "foo", "allowed under '<root>': arm, cache_dir, data"),
     (["drafter.fc_norm=both"], "drafter.fc_norm", "per_layer"),
     (["drafter.norm_type=batchnorm"], "drafter.norm_type", "layernorm"),
@@ -137,7 +141,26 @@ BAD = [
     (["eval.vllm.concurrency=[1,0]"], "eval.vllm.concurrency", "integers >= 1, got [1, 0]"),
     (["eval.vllm.kv_cache_gib=0"], "eval.vllm.kv_cache_gib", "expected an integer >= 1, got 0"),
     (["eval.vllm.throughput_suites=[indist]"], "eval.vllm.throughput_suites", "'indist' is not evaluated"),
-    (["train.autocast_bf16=true"], "train.autocast_bf16", "unknown config key"),  # retired: `dtype` is the knob
+    (["train.autocast_bf16=true"], "train.autocast_bf16", "unknown config key"),
+    (["drafter.attention=mha"], "drafter.attention", "gqa, mla"),
+    (["drafter.attention=mla"], "drafter.q_lora_rank", "required for drafter.attention=mla"),
+    (["attention=mla", "drafter.q_lora_rank=0"], "drafter.q_lora_rank", "expected an integer >= 1 or null, got 0"),
+    (["attention=mla", "drafter.q_lora_rank=64", "drafter.qk_rope_head_dim=63"], "drafter.qk_rope_head_dim", "even"),
+    (
+        ["attention=mla", "drafter.q_lora_rank=64", "drafter.v_head_dim=128"],
+        "drafter.v_head_dim",
+        "at most qk_nope_head_dim + qk_rope_head_dim = 32 + 64 = 96",
+    ),
+    (
+        ["target=micro_mla", "data=micro", "attention=mla", "target.v_head_dim=512"],
+        "target.v_head_dim",
+        "at most qk_nope_head_dim + qk_rope_head_dim",
+    ),
+    (
+        ["attention=mla", "drafter.q_lora_rank=64", "train.backend=torchspec"],
+        "drafter.attention",
+        "allowed: gqa",
+    ),  # retired: `dtype` is the knob
 ]
 
 
@@ -188,6 +211,39 @@ def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
     with pytest.raises(ConfigError, match="^eval.backends: 'vllm' cannot serve drafter.norm_type=layernorm"):
         check_vllm_servable(cfg)
     check_vllm_servable(compose(["drafter=eagle31", "eval.backends=[ref,vllm]"]))
+    mla = ["attention=mla", "drafter.q_lora_rank=64", "eval.backends=[ref,vllm]"]
+    with pytest.raises(ConfigError, match=r"^drafter.kv_lora_rank: vLLM's MLA serves only .* = 576 .*got 256 \+ 64"):
+        check_vllm_servable(compose([*mla, "drafter.kv_lora_rank=256"]))
+    with pytest.raises(ConfigError, match="^eval.backends: 'vllm' does not serve an MLA drafter yet"):
+        check_vllm_servable(compose(mla))
+
+
+def test_the_attention_toggle_is_independent_and_keeps_stored_hashes():
+    from lab.config.shape import drafter_mla_dims
+
+    base, e31 = compose([]), compose(["drafter=eagle31"])
+    assert base.drafter.attention.value == "gqa" and compose(["attention=gqa"]) == base  # the default: no change
+    mla31 = compose(["drafter=eagle31", "attention=mla", "drafter.q_lora_rank=64"])
+    assert mla31.drafter.attention.value == "mla" and mla31.drafter.norm_output is True  # the preset stays
+    assert compose(["drafter=eagle31", "drafter.attention=mla", "drafter.q_lora_rank=64"]) == mla31
+    assert config_hash(mla31) != config_hash(e31)
+    # a run recorded before these keys existed hashes as before
+    recorded = OmegaConf.to_container(e31, enum_to_str=True)
+    for k in ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        del recorded["drafter"][k]
+    assert config_hash(recorded) == config_hash(e31)
+    # over an MLA target the dims are the target's, over a dense one the config's
+    over_mla = compose(["target=micro_mla", "data=micro", "attention=mla"])
+    dims, keys = drafter_mla_dims(over_mla)
+    assert dims == {
+        "q_lora_rank": 32,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+    }
+    assert keys["q_lora_rank"] == "target.q_lora_rank"
+    assert drafter_mla_dims(mla31)[0]["q_lora_rank"] == 64
 
 
 def test_a_missing_checkpoint_is_refused_by_preflight_and_a_studys_check_not_by_compose(tmp_path):

@@ -54,6 +54,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             return fail(f"cannot export for vLLM: {reason}")
         verifier = args.verifier or tags.get("target_path")
         formats = ["native", "speculators"] if fmt == "both" else [fmt]
+        if drafter.spec.attention == "mla":  # DeepSeek-V2's layer: the native format only (speculators has none)
+            if fmt == "speculators":
+                return fail("--format: the speculators format has no MLA layer; expected native for an MLA drafter")
+            formats = ["native"]
         if "speculators" in formats and not verifier:
             return fail("--verifier: required for the speculators format (the target model's path)")
         out = Path(args.out)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # head_dim values vLLM's CPU attention backend can serve (docs/design.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM's MLA attention backends take one latent width: kv_lora_rank + qk_rope_head_dim (DeepSeek's 512 + 64)
+VLLM_MLA_LATENT = 576
 
 # SQLAlchemy dialects of MLflow's database store (mlflow.store.db.db_types).
 MLFLOW_DB_DIALECTS = ("sqlite", "postgresql", "mysql", "mssql")
@@ -51,6 +53,11 @@ class FcNorm(str, Enum):
     none = "none"  # EAGLE-3: raw captured states into fc
     per_layer = "per_layer"  # EAGLE 3.1: one norm per captured layer
     concat = "concat"  # vLLM/speculators `norm_before_fc`: one norm over the concatenation
+
+
+class Attention(str, Enum):
+    gqa = "gqa"  # Llama attention: q/k/v projections, grouped-query heads (EAGLE-3, TorchSpec, vLLM's llama_eagle3)
+    mla = "mla"  # DeepSeek-V2/V3 multi-head latent attention (vLLM's Eagle3DeepseekV2ForCausalLM)
 
 
 class NormType(str, Enum):
@@ -209,6 +216,16 @@ class DrafterConfig:
     draft_vocab_size: int | None = checked(16384, min=2)
     init_lm_head_from_target: bool = True
     rms_norm_eps: float = checked(1e-6, above=0.0)
+    # the decoder layers' attention, independent of the target's: gqa, or mla (DeepSeek's latent attention).
+    # mla's dims: over an MLA target the target's (as the heads and width always are), else these; q_lora_rank
+    # has no default (required for mla unless the target gives one). vLLM's MLA serves only kv_lora_rank +
+    # qk_rope_head_dim = 576 (512 + 64); v_head_dim at most qk_nope_head_dim + qk_rope_head_dim.
+    attention: Attention = Attention.gqa
+    q_lora_rank: int | None = checked(None, **POSITIVE)
+    kv_lora_rank: int = checked(512, **POSITIVE)
+    qk_nope_head_dim: int = checked(32, **POSITIVE)
+    qk_rope_head_dim: int = checked(64, min=2)
+    v_head_dim: int = checked(32, **POSITIVE)
     # a drafter checkpoint folder trained elsewhere (TorchSpec, speculators, lab export): evaluated instead of
     # training one; the keys above then describe nothing (the run logs the checkpoint's own values)
     checkpoint: str | None = checked(None, path=CHECKPOINT)

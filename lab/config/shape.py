@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from lab.config import ConfigError, TargetKind
+from lab.config import Attention, ConfigError, TargetArch, TargetKind
 from lab.config.rules import ABSENT, expected_got
 
 # What the workbench reads from a Hugging Face target's config.json before any model loads (the target's
@@ -70,6 +70,36 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
         # a DeepSeek-V3 model's head_dim (transformers' config, which the drafter is shaped after) is its rope part
         "head_dim": t.qk_rope_head_dim if t.get("arch", "llama") == "deepseek_v3" else t.hidden_size // t.num_heads,
     }
+
+
+# multi-head latent attention's dims, as DeepSeek's config.json and the schema (target.* and drafter.*) name them
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def target_mla_dims(cfg: DictConfig) -> dict[str, int | None] | None:
+    """The target's MLA dims where its attention is MLA (a built deepseek_v3, or a folder whose config.json has
+    kv_lora_rank), else None."""
+    t = cfg.target
+    if t.kind == TargetKind.hf:
+        hf = hf_config(t.path)
+        return {k: hf.get(k) for k in MLA_DIMS} if hf.get("kv_lora_rank") else None
+    if t.get("arch", TargetArch.llama) == TargetArch.deepseek_v3:
+        return {k: t[k] for k in MLA_DIMS}
+    return None
+
+
+def drafter_mla_dims(cfg: DictConfig) -> tuple[dict[str, int | None], dict[str, str]]:
+    """drafter.attention=mla's dims and the key each comes from: over an MLA target the target's (its
+    q_lora_rank where it has one), else drafter.*. The same rule as lab/drafter/build.py's `drafter_spec`."""
+    target = target_mla_dims(cfg) if cfg.drafter.attention == Attention.mla else None
+    where = "target.path" if cfg.target.kind == TargetKind.hf else "target.{}"
+    dims, keys = {}, {}
+    for k in MLA_DIMS:
+        if target is not None and target[k] is not None:
+            dims[k], keys[k] = target[k], where.format(k)
+        else:
+            dims[k], keys[k] = cfg.drafter[k], f"drafter.{k}"
+    return dims, keys
 
 
 def vllm_default_aux_layers(num_layers: int) -> list[int]:

@@ -28,6 +28,7 @@ from lab.config import (
     VLLM_CPU_HEAD_DIMS,
     VLLM_DTYPES,
     VLLM_FORMATS,
+    Attention,
     Config,
     ConfigError,
     DataSource,
@@ -38,7 +39,7 @@ from lab.config import (
     redact,
     rules,
 )
-from lab.config.shape import aux_layers, max_positions, target_shape
+from lab.config.shape import aux_layers, drafter_mla_dims, max_positions, target_shape
 
 
 def validate(cfg: DictConfig) -> None:
@@ -93,11 +94,36 @@ def validate(cfg: DictConfig) -> None:
             "train.ttt_length",
             f"must be below data.seq_len={cfg.data.seq_len}, got {cfg.train.ttt_length}",
         )
+    if cfg.drafter.attention == Attention.mla:
+        _validate_mla(cfg)
     _validate_suites(cfg)
     _validate_backends(cfg)
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     _validate_lengths(cfg)
+
+
+def _validate_mla(cfg: DictConfig) -> None:
+    """drafter.attention=mla: a query rank, rotary pairs, a value head no wider than the query-key head (it is
+    zero-padded to it where a kernel wants equal dims). What vLLM serves is lab/preflight.py's."""
+    dims, keys = drafter_mla_dims(cfg)
+    if dims["q_lora_rank"] is None:
+        raise ConfigError(
+            "drafter.q_lora_rank",
+            "required for drafter.attention=mla where the target gives none (the query's low rank, e.g. 64), got null",
+        )
+    if dims["qk_rope_head_dim"] % 2:
+        raise ConfigError(
+            keys["qk_rope_head_dim"],
+            f"must be even (rotary pairs) for drafter.attention=mla, got {dims['qk_rope_head_dim']}",
+        )
+    qk = dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]
+    if dims["v_head_dim"] > qk:
+        raise ConfigError(
+            keys["v_head_dim"],
+            f"expected at most qk_nope_head_dim + qk_rope_head_dim = {dims['qk_nope_head_dim']} + "
+            f"{dims['qk_rope_head_dim']} = {qk} for drafter.attention=mla, got {dims['v_head_dim']}",
+        )
 
 
 def check_rules(cfg: DictConfig) -> None:
@@ -171,6 +197,11 @@ def check_torchspec_drafter(cfg: DictConfig) -> None:
     """ConfigError naming the key of a drafter TorchSpec's EAGLE-3 cannot be: it has one decoder layer
     (`midlayer`) and RMSNorm fc norms, one per captured layer or none."""
     d = cfg.drafter
+    if d.attention != Attention.gqa:
+        raise ConfigError(
+            "drafter.attention",
+            f"TorchSpec's EAGLE-3 drafter has Llama attention only, got {d.attention.value}; allowed: gqa",
+        )
     if d.num_layers != 1:
         raise ConfigError(
             "drafter.num_layers", f"TorchSpec's EAGLE-3 drafter has one decoder layer (midlayer), got {d.num_layers}"

@@ -34,10 +34,29 @@ def draft_vocabulary(token_counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_dims(model_config, dcfg: DictConfig) -> dict[str, int]:
+    """drafter.attention=mla's dims: an MLA target's (its config has kv_lora_rank; its q_lora_rank where it has
+    one), else drafter.*: the rule lab/config/shape.py's `drafter_mla_dims` checks before any model loads."""
+    mla_target = bool(getattr(model_config, "kv_lora_rank", None))
+    dims = {}
+    for k in MLA_DIMS:
+        value = getattr(model_config, k, None) if mla_target else None
+        dims[k] = int(value if value is not None else dcfg[k]) if (value is not None or dcfg[k] is not None) else None
+    if dims["q_lora_rank"] is None:
+        raise ValueError("drafter.q_lora_rank: required for drafter.attention=mla where the target gives none")
+    return dims
+
+
 def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> DrafterSpec:
     """The drafter shaped after a target with transformers config `model_config`: its width, heads and
-    MLP; a `draft_vocab_size` at or above the target's vocabulary means the full vocabulary."""
+    MLP, and with drafter.attention=mla the MLA dims (`mla_dims`; either attention over either kind of
+    target); a `draft_vocab_size` at or above the target's vocabulary means the full vocabulary."""
     tc = model_config
+    attention = str(getattr(dcfg.get("attention", "gqa"), "value", dcfg.get("attention", "gqa")))
+    mla = mla_dims(tc, dcfg) if attention == "mla" else {}
     heads = tc.num_attention_heads
     draft_vocab = dcfg.draft_vocab_size if dcfg.draft_vocab_size and dcfg.draft_vocab_size < tc.vocab_size else None
     return DrafterSpec(
@@ -47,8 +66,11 @@ def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> Draft
         vocab_size=tc.vocab_size,
         draft_vocab_size=draft_vocab,
         num_heads=heads,
-        num_kv_heads=getattr(tc, "num_key_value_heads", heads),
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        num_kv_heads=heads if mla else getattr(tc, "num_key_value_heads", heads),
+        # MLA: the query-key head (its V is zero-padded to it where a kernel needs one width)
+        head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
+        if mla
+        else getattr(tc, "head_dim", None) or tc.hidden_size // heads,
         intermediate_size=tc.intermediate_size,
         num_layers=dcfg.num_layers,
         max_position_embeddings=tc.max_position_embeddings,
@@ -57,6 +79,8 @@ def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> Draft
         fc_norm=str(getattr(dcfg.fc_norm, "value", dcfg.fc_norm)),
         norm_output=bool(dcfg.norm_output),
         norm_type=str(getattr(dcfg.norm_type, "value", dcfg.norm_type)),
+        attention=attention,
+        **mla,
     )
 
 

@@ -1,7 +1,10 @@
 """Drafter checkpoints: `config.json` + `model.safetensors`, in two formats vLLM reads.
 
 native (vLLM / TorchSpec): `architectures: ["LlamaForCausalLMEagle3"]`, the EAGLE 3.1 keys (`fc_norm`,
-  `norm_output`, `norm_before_fc`) at the top level and the captured layer ids under `eagle_config`.
+  `norm_output`, `norm_before_fc`) at the top level and the captured layer ids under `eagle_config`; an MLA
+  drafter (drafter.attention=mla) as vLLM's `Eagle3DeepseekV2ForCausalLM` (`model_type: deepseek_v2` and the
+  MLA dims; its weights `layers.0.self_attn.{q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+  kv_a_layernorm, kv_b_proj, o_proj}`, the rest as Llama's), in the native format only.
 speculators: `speculators_model_type: eagle3`, the Llama layer under `transformer_layer_config`, the
   proposal method (k) and the verifier (the target's path) under `speculators_config`.
 Both carry the same weights (`fc.weight`, `fc_norm.{i}.weight`, `layers.0.*`, `norm.weight`,
@@ -38,6 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from lab.config import VLLM_MLA_LATENT
 from lab.config.shape import vllm_default_aux_layers
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
 from lab.drafter.weights import CONFIG, WEIGHTS, CheckpointError, module_weights
@@ -48,6 +52,11 @@ FORMATS = ("lab", "torchspec", "speculators", "eagle")
 
 
 def native_config(spec: DrafterSpec) -> dict:
+    """The native config.json: Llama's EAGLE-3 drafter, or with drafter.attention=mla DeepSeek-V2's (`mla_config`)."""
+    return mla_config(spec) if spec.attention == "mla" else _llama_config(spec)
+
+
+def _llama_config(spec: DrafterSpec) -> dict:
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -80,6 +89,27 @@ def native_config(spec: DrafterSpec) -> dict:
     }
 
 
+# the checkpoint config's MLA keys, as DeepSeek-V2's config.json names them (and the spec)
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+
+
+def mla_config(spec: DrafterSpec) -> dict:
+    """An MLA drafter's native config, as vLLM's `Eagle3DeepseekV2ForCausalLM` reads it: model_type deepseek_v2
+    (never deepseek_v3, which vLLM reroutes to its MTP drafter), the MLA dims, one KV head per query head, and
+    the EAGLE 3.1 keys and captured layers where the Llama drafter's config has them."""
+    llama = {k: v for k, v in _llama_config(spec).items() if k not in ("head_dim", "num_key_value_heads")}
+    return {
+        **llama,
+        "architectures": [MLA_ARCHITECTURE],
+        "model_type": "deepseek_v2",
+        "num_key_value_heads": spec.num_heads,
+        **{k: getattr(spec, k) for k in MLA_KEYS},
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "attention_bias": False,
+    }
+
+
 # native keys that the speculators format keeps beside the layer config, not inside it
 _EAGLE3_KEYS = (
     "architectures",
@@ -96,6 +126,11 @@ _EAGLE3_KEYS = (
 
 
 def speculators_config(spec: DrafterSpec, verifier: str, num_speculative_tokens: int) -> dict:
+    if spec.attention != "gqa":
+        raise CheckpointError(
+            f"the speculators format has a Llama layer only, not drafter.attention={spec.attention}; "
+            "expected the native format"
+        )
     native = native_config(spec)
     layer = {k: v for k, v in native.items() if k not in _EAGLE3_KEYS}
     return {
@@ -123,11 +158,23 @@ def speculators_config(spec: DrafterSpec, verifier: str, num_speculative_tokens:
 
 def vllm_incompatibility(spec: DrafterSpec) -> str | None:
     """Why vLLM cannot serve this drafter exactly, or None."""
+    if spec.attention == "mla" and spec.kv_lora_rank + spec.qk_rope_head_dim != VLLM_MLA_LATENT:
+        return (
+            f"drafter.kv_lora_rank: vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = {VLLM_MLA_LATENT}, got "
+            f"{spec.kv_lora_rank} + {spec.qk_rope_head_dim}"
+        )
     if spec.norm_type != "rmsnorm" and spec.fc_norm != "none":
         return (
             f"drafter.norm_type={spec.norm_type}: vLLM's EAGLE-3 drafter has RMSNorm fc norms only "
             "(export needs drafter.norm_type=rmsnorm)"
         )
+    return None
+
+
+def vllm_unevaluated(spec: DrafterSpec) -> str | None:
+    """Why the workbench does not evaluate this drafter in vLLM yet though vLLM could load its export, or None."""
+    if spec.attention == "mla":
+        return "drafter.attention=mla: vLLM evaluation of an MLA drafter is not wired yet (lab export writes it)"
     return None
 
 
@@ -144,7 +191,7 @@ def spec_from_config(
         raise CheckpointError(f"{where}: expected a JSON object (a drafter config), got {type(cfg).__name__}")
     if cfg.get("speculators_model_type") is not None:
         cfg = _native_from_speculators(cfg, where)
-    _check_layer_type(cfg, where, "model_type")
+    mla = _check_layer_type(cfg, where, "model_type", mla=True)
     lab = cfg.get("lab", {})
     fc_norm = _fc_norm(cfg, where)
     aux = _aux_layer_ids(cfg, aux_layers, target_num_layers, where)
@@ -153,15 +200,18 @@ def spec_from_config(
         raise CheckpointError(f"{where}: no {', '.join(missing)}; expected a Llama-style EAGLE-3 drafter config")
     _check_computable(cfg, where)
     heads = cfg["num_attention_heads"]
+    dims = _mla_dims(cfg, heads, where) if mla else {}
     spec = DrafterSpec(
         hidden_size=cfg["hidden_size"],
         target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
         aux_layer_ids=aux,
         vocab_size=cfg["vocab_size"],
         num_heads=heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        head_dim=dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]
+        if mla
+        else cfg.get("head_dim") or cfg["hidden_size"] // heads,
         intermediate_size=cfg["intermediate_size"],
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        num_kv_heads=heads if mla else cfg.get("num_key_value_heads") or heads,
         draft_vocab_size=cfg.get("draft_vocab_size"),
         num_layers=cfg.get("num_hidden_layers") or 1,
         max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
@@ -172,6 +222,8 @@ def spec_from_config(
         norm_type=lab.get("norm_type", "rmsnorm"),
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         extra={k: v for k, v in lab.items() if k != "norm_type"},
+        attention="mla" if mla else "gqa",
+        **dims,
     )
     _check_sizes(spec, where)
     return spec
@@ -227,13 +279,36 @@ def _named_aux_layers(cfg: dict) -> list[int] | None:
     return cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids") or None
 
 
-def _check_layer_type(cfg: dict, where: str | Path, key: str) -> None:
-    # a qwen3 layer carries q_norm / k_norm, others differ further: this module computes a Llama layer only
+def _check_layer_type(cfg: dict, where: str | Path, key: str, mla: bool = False) -> bool:
+    """Whether the config's layer is DeepSeek-V2's MLA one (where `mla` allows it), else Llama's; a qwen3 layer
+    carries q_norm / k_norm, others differ further: refused."""
     model_type = cfg.get("model_type", "llama")
-    if model_type != "llama":
+    if mla and model_type == "deepseek_v2" and cfg.get("kv_lora_rank"):
+        return True
+    if mla and model_type == "deepseek_v3":
         raise CheckpointError(
-            f"{where}: {key} '{model_type}' is not supported; expected llama (the drafter's decoder layer is Llama's)"
+            f"{where}: {key} 'deepseek_v3' names vLLM's MTP drafter; expected deepseek_v2 for an EAGLE-3 MLA drafter"
         )
+    if model_type != "llama":
+        allowed = "llama or deepseek_v2 (with kv_lora_rank)" if mla else "llama"
+        raise CheckpointError(
+            f"{where}: {key} '{model_type}' is not supported; expected {allowed} (the drafter's decoder layer)"
+        )
+    return False
+
+
+def _mla_dims(cfg: dict, heads: int, where: str | Path) -> dict[str, int]:
+    """A deepseek_v2 config's MLA dims, each a positive integer; a query projected at full rank (no
+    q_lora_rank) or a value head wider than the query-key head is refused (the module computes neither)."""
+    dims = {k: cfg.get(k) for k in MLA_KEYS}
+    for k, v in dims.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CheckpointError(f"{where}: {k}: expected a positive integer for an MLA drafter, got {v}")
+    if dims["v_head_dim"] > dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]:
+        raise CheckpointError(f"{where}: v_head_dim {dims['v_head_dim']} exceeds qk_nope_head_dim + qk_rope_head_dim")
+    if cfg.get("num_key_value_heads") not in (None, heads):
+        raise CheckpointError(f"{where}: num_key_value_heads {cfg['num_key_value_heads']}: expected {heads} for MLA")
+    return dims
 
 
 def _check_computable(cfg: dict, where: str | Path) -> None:

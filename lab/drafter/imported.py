@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from lab.config import ConfigError, TargetKind
 from lab.config.shape import target_shape, vllm_default_aux_layers
-from lab.drafter.formats import CheckpointError, CheckpointInfo, inspect_checkpoint
+from lab.drafter.formats import MLA_KEYS, CheckpointError, CheckpointInfo, inspect_checkpoint
 from lab.drafter.model import DrafterSpec
 
 KEY = "drafter.checkpoint"
@@ -87,12 +87,14 @@ def resolve_for(cfg: DictConfig) -> CheckpointInfo:
 
 
 def kind(spec: DrafterSpec) -> str:
-    """`eagle3`, `eagle31`, or eagle3 with the toggles it has (e.g. `eagle3+norm_before_fc`)."""
-    if spec.fc_norm == "per_layer" and spec.norm_output:
-        return "eagle31"
+    """`eagle3`, `eagle31`, or eagle3 with the toggles it has (e.g. `eagle3+norm_before_fc`); `+mla` for an MLA
+    drafter (`eagle31+mla`)."""
     toggles = {"per_layer": ["fc_norm"], "concat": ["norm_before_fc"]}.get(spec.fc_norm, [])
     toggles += ["norm_output"] if spec.norm_output else []
-    return "+".join(["eagle3", *toggles])
+    mla = ["mla"] if spec.attention == "mla" else []
+    if spec.fc_norm == "per_layer" and spec.norm_output:
+        return "+".join(["eagle31", *mla])
+    return "+".join(["eagle3", *toggles, *mla])
 
 
 def config_values(spec: DrafterSpec, fmt: str) -> dict:
@@ -108,4 +110,6 @@ def config_values(spec: DrafterSpec, fmt: str) -> dict:
         # None is the full vocabulary, as in a trained run's config
         "draft_vocab_size": spec.draft_vocab_size if spec.draft_vocab_size < spec.vocab_size else None,
         "rms_norm_eps": spec.rms_norm_eps,
+        # an MLA drafter's attention and dims (a GQA drafter's are the defaults: left out)
+        **({"attention": "mla", **{k: getattr(spec, k) for k in MLA_KEYS}} if spec.attention == "mla" else {}),
     }

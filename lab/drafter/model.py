@@ -56,12 +56,28 @@ class DrafterSpec:
     norm_type: str = "rmsnorm"  # kind of the fc norms: rmsnorm | layernorm
     # layer 0's residual is hidden_norm(h) instead of the raw h (vLLM / speculators `norm_before_residual`)
     norm_before_residual: bool = False
+    # the decoder layers' attention: gqa (Llama's q/k/v projections) or mla (DeepSeek's latent attention,
+    # `MLAttention`, which reads the five dims below; head_dim is then unused)
+    attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.num_kv_heads = self.num_kv_heads or self.num_heads
         self.draft_vocab_size = self.draft_vocab_size or self.vocab_size
         self.aux_layer_ids = list(self.aux_layer_ids)
+        if self.attention == "mla":  # one KV head per query head; head_dim is the query-key head's
+            self.num_kv_heads = self.num_heads
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The width the rotary embedding turns: the whole head (gqa) or its rope part (mla)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def num_aux(self) -> int:
@@ -217,6 +233,77 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] with rotary pairs interleaved (x0, x1), (x2, x3), ... (GPT-J style) -> [evens, odds], the
+    halves layout `apply_rotary` turns. Applied alike to queries and keys, it leaves their dot products as
+    they were, so GPT-J rotary = `apply_rotary` after it, with no permutation back (transformers'
+    DeepSeek-V3 does the same)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention (MLA), named as vLLM's `Eagle3DeepseekV2ForCausalLM` loads
+    it, computed per head decompressed (not with the latent absorbed into the query): heads h, dims
+    nope = qk_nope_head_dim, rope = qk_rope_head_dim, v = v_head_dim, qk = nope + rope.
+
+    It hands the cache the same per-head q, k, v as `Attention` (num_kv_heads = heads), so decoding (`KVCache`),
+    the TTT reference (`TTTCache`) and training's fast path (lab/drafter/unroll.py) read its attention as they
+    read GQA's; V is zero-padded to qk where v < qk (the kernels take one head width; exact: the padded
+    columns of the output are zero and sliced off before o_proj)."""
+
+    def __init__(self, spec: DrafterSpec, in_width: int, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = self.num_kv_heads = spec.num_heads
+        self.nope, self.rope, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.qk_dim = self.nope + self.rope
+        self.kv_lora_rank = spec.kv_lora_rank
+        if self.v_dim > self.qk_dim:
+            raise ValueError(
+                f"drafter.v_head_dim: expected at most {self.qk_dim} (qk_nope + qk_rope), got {self.v_dim}"
+            )
+        h = spec.num_heads
+        # query: a low-rank bottleneck with its own norm, then every head's nope and rope parts
+        self.q_a_proj = nn.Linear(in_width, spec.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.rms_norm_eps)
+        self.q_b_proj = nn.Linear(spec.q_lora_rank, h * self.qk_dim, bias=False)
+        # keys and values: one latent (kv_lora_rank) plus one rope key shared by every head (the "mqa" part)
+        self.kv_a_proj_with_mqa = nn.Linear(in_width, spec.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, spec.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(spec.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, spec.hidden_size, bias=False)
+
+    def qkv(self, q_a: torch.Tensor, kv_a: torch.Tensor, cos, sin, rotary=None) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+        """The first projections' outputs q_a [..., q_lora_rank], kv_a [..., kv_lora_rank + rope] (any leading
+        dims L) -> per-head q, k, v [*L, heads, qk] (v zero-padded from v_dim), rotary on the rope dims only.
+        cos, sin broadcast against [*L, heads, rope]; `rotary(x, cos, sin)` defaults to `apply_rotary`."""
+        rotary = rotary or apply_rotary
+        lead, h = q_a.shape[:-1], self.num_heads
+        # Q: q_a -> q_a_layernorm -> q_b_proj: [*L, h, nope + rope]
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(*lead, h, self.qk_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope], -1)
+        # KV: the latent -> kv_a_layernorm -> kv_b_proj: per-head k_nope [*L, h, nope] and V [*L, h, v]
+        latent, k_pe = kv_a.split([self.kv_lora_rank, self.rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*lead, h, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)
+        # RoPE on the rope dims only, GPT-J style (interleaved pairs, as vLLM runs DeepSeek); k_pe is one
+        # key [*L, 1, rope] shared by every head
+        q_pe = rotary(deinterleave(q_pe), cos, sin)
+        k_pe = rotary(deinterleave(k_pe)[..., None, :], cos, sin).expand(*lead, h, self.rope)
+        q = torch.cat([q_nope, q_pe], -1)
+        k = torch.cat([k_nope, k_pe], -1)
+        return q, k, F.pad(v, (0, self.qk_dim - self.v_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """x [B, T, in_width] -> [B, T, H]. The caches scale scores by 1/sqrt(q's width) = 1/sqrt(nope + rope),
+        DeepSeek's softmax scale (its YaRN mscale is 1 without rope scaling, which this drafter has none of)."""
+        b, t, _ = x.shape
+        # cos, sin [B, 1, T, rope] -> [B, T, 1, rope], against [B, T, heads, rope]
+        q, k, v = self.qkv(self.q_a_proj(x), self.kv_a_proj_with_mqa(x), cos.transpose(1, 2), sin.transpose(1, 2))
+        out = cache.attend(self.layer_idx, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, h, T, qk]
+        return self.o_proj(out[..., : self.v_dim].transpose(1, 2).reshape(b, t, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
@@ -241,7 +328,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
         if self.is_first:
             self.hidden_norm = RMSNorm(h, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, 2 * h if self.is_first else h, layer_idx)
+        attention = MLAttention if spec.attention == "mla" else Attention
+        self.self_attn = attention(spec, 2 * h if self.is_first else h, layer_idx)
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.mlp = MLP(h, spec.intermediate_size)
 
@@ -280,7 +368,7 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta)
+        self.rotary = Rotary(spec.rope_dim, spec.rope_theta)
         if spec.draft_vocab_size != spec.vocab_size:
             # target id = draft id + d2t[draft id]
             self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))

@@ -5,7 +5,7 @@ keeps the whole [B, heads, T, T] attention). `unroll` computes the same function
 held-out rollout, faster:
 - later drafting steps run only at the rows whose loss (or a later step) needs them (`keep`), since a row's
   later steps read only its own earlier steps and step 0's causal context;
-- layer 0's q/k/v of the embedding half are computed once for every step;
+- layer 0's q/k/v (MLA: q_a / kv_a) of the embedding half are computed once for every step;
 - q/k/v and gate/up are one matmul each (weights concatenated once per unroll);
 - the norms have their backward written out (`rms_norm`), the rotary embedding is one roll;
 - attention is a fused kernel per device with the diagonal joined through the log-sum-exp
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lab.drafter.model import Attention, DecoderLayer, Eagle3Drafter, RMSNorm
+from lab.drafter.model import Attention, DecoderLayer, Eagle3Drafter, MLAttention, RMSNorm
 from lab.drafter.ttt_attention import ttt_attention
 
 
@@ -133,8 +133,16 @@ class RowCache:
         return out.reshape(out.shape[0], -1)
 
 
+def input_projections(attn: Attention | MLAttention) -> tuple[torch.nn.Linear, ...]:
+    """The projections that read the attention's input, in the order their outputs are concatenated: q, k, v
+    (GQA) or q_a, kv_a (MLA). Layer 0's embedding half of each is computed once per unroll."""
+    if isinstance(attn, MLAttention):
+        return attn.q_a_proj, attn.kv_a_proj_with_mqa
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
 def attention_rows(
-    attn: Attention,
+    attn: Attention | MLAttention,
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -142,21 +150,28 @@ def attention_rows(
     qkv: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`Attention.forward` over rows: x [N, width] -> [N, H], or [len(out_rows), H] with `out_rows` (indices
-    into the rows: every row is attended, for its keys and values, but o_proj runs at those only); cos and
-    `signed_sin(sin)` [N, 1, d]. `qkv` [N, (heads + 2 kv_heads) * d] is a projection of the input's first
-    columns computed beforehand (layer 0's embedding half); x then holds only the remaining columns."""
-    # q, k and v as one matmul, over the input's last x.shape[1] columns (contiguous, made once per unroll)
-    first = attn.q_proj.weight.shape[1] - x.shape[1]
-    weight = cache.fused_weight(
-        (attn.layer_idx, "qkv", first), *(w.weight[:, first:] for w in (attn.q_proj, attn.k_proj, attn.v_proj))
-    )
+    """`Attention.forward` / `MLAttention.forward` over rows: x [N, width] -> [N, H], or [len(out_rows), H] with
+    `out_rows` (indices into the rows: every row is attended, for its keys and values, but o_proj runs at those
+    only); cos and `signed_sin(sin)` [N, 1, d] (d: the rotary width). `qkv` [N, sum of the input projections'
+    widths] is a projection of the input's first columns computed beforehand (layer 0's embedding half); x then
+    holds only the remaining columns."""
+    # the input projections as one matmul, over the input's last x.shape[1] columns (made once per unroll)
+    projections = input_projections(attn)
+    first = projections[0].weight.shape[1] - x.shape[1]
+    weight = cache.fused_weight((attn.layer_idx, "qkv", first), *(w.weight[:, first:] for w in projections))
     out = F.linear(x, weight) if qkv is None else qkv + F.linear(x, weight)
-    nq, nkv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    q, k, v = out.split([nq, nkv, nkv], -1)
-    q = apply_rotary_rolled(q.reshape(-1, attn.num_heads, attn.head_dim), cos, sin)
-    k = apply_rotary_rolled(k.reshape(-1, attn.num_kv_heads, attn.head_dim), cos, sin)
-    out = cache.attend(attn.layer_idx, q, k, v.reshape(-1, attn.num_kv_heads, attn.head_dim))
+    if isinstance(attn, MLAttention):
+        # MLA: the latents -> per-head q, k, v [N, heads, qk] (v zero-padded), rotary on the rope dims
+        q_a, kv_a = out.split([w.weight.shape[0] for w in projections], -1)
+        q, k, v = attn.qkv(q_a, kv_a, cos, sin, rotary=apply_rotary_rolled)
+        out = cache.attend(attn.layer_idx, q, k, v)  # [N, heads * qk]
+        out = out.view(out.shape[0], attn.num_heads, -1)[..., : attn.v_dim].reshape(out.shape[0], -1)
+    else:
+        nq, nkv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        q, k, v = out.split([nq, nkv, nkv], -1)
+        q = apply_rotary_rolled(q.reshape(-1, attn.num_heads, attn.head_dim), cos, sin)
+        k = apply_rotary_rolled(k.reshape(-1, attn.num_kv_heads, attn.head_dim), cos, sin)
+        out = cache.attend(attn.layer_idx, q, k, v.reshape(-1, attn.num_kv_heads, attn.head_dim))
     return attn.o_proj(out if out_rows is None else out.index_select(0, out_rows))
 
 
@@ -224,7 +239,7 @@ def unroll(
     x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)).to(embeds.dtype)
     attn = first.self_attn
     hidden_size = embeds.shape[-1]
-    qkv_weight = torch.cat([w.weight[:, :hidden_size] for w in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    qkv_weight = torch.cat([w.weight[:, :hidden_size] for w in input_projections(attn)])
     embed_qkv = F.linear(x, qkv_weight * norm.weight)
     embed_qkv = embed_qkv.reshape(b * (t + length - 1), -1)  # row (s, p): sequence s, position p
     cos, sin = drafter.rotary(torch.arange(t + length - 1, device=device)[None])
