@@ -228,10 +228,17 @@ def problem(rules: typing.Mapping[str, Any], value: Any) -> bool:
             return True
         if rules.get("pair") and (len(value) != 2 or value[0] > value[1]):
             return True
-        return any(_number_problem(rules, v) for v in value if isinstance(v, (int, float)))
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not any(k in rules for k in ("min", "above", "max")):
+            return False
+        # a bounded list holds numbers: an item that is not one (OmegaConf lets `[[1]]` through a list[int]) breaks it
+        return any(_number_problem(rules, v) if _is_number(v) else True for v in value)
+    if _is_number(value):
         return _number_problem(rules, value)
     return False
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _number_problem(rules: typing.Mapping[str, Any], v: float) -> bool:
