@@ -24,15 +24,20 @@ def test_every_experiment_composes(name):
 
 
 def test_shipped_experiments_cover_the_paper():
-    assert {"drift_2x2", "norm_type", "depth_extrapolation", "long_context", "template_robustness"} <= set(
-        experiment.available()
-    )
+    assert {
+        "drift_2x2",
+        "norm_type",
+        "depth_extrapolation",
+        "long_context",
+        "template_robustness",
+        "attention_2x2",
+    } <= set(experiment.available())
     arms = {a.name: a.overrides for a in experiment.load("drift_2x2").arms}
     assert len(arms) == 4
 
 
 def test_bad_experiments_fail_with_one_line(tmp_path):
-    with pytest.raises(ConfigError, match="unknown experiment 'nope'; available: depth_extrapolation"):
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'; available: attention_2x2, depth_extrapolation"):
         experiment.load("nope")
     (tmp_path / "bad.yaml").write_text("arms:\n  a:\n    overrides: [drafter.fc_norm=both]\n")
     with pytest.raises(ConfigError, match="experiments/bad.yaml point 'a': drafter.fc_norm"):

@@ -217,7 +217,7 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "cannot reach the MLflow server",
     ),
     # experiments, reports, exports
-    ("ablate unknown experiment", ["ablate", "experiment=nope", STORE], "experiment", "available: depth_extrapolation"),
+    ("ablate unknown experiment", ["ablate", "experiment=nope", STORE], "experiment", "available: attention_2x2"),
     (
         "ablate: server unreachable",
         ["ablate", "experiment=drift_2x2", STORE, f"tracking.uri={DEAD_SERVER}"],
