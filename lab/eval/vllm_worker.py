@@ -106,12 +106,20 @@ def run(job: dict) -> dict:
     warm_up(base)
     reference = {s["name"]: generate(base, s["prompts"], s["stop_ids"])[0] for s in job["suites"]}
 
+    # vLLM picks the drafter's attention backend afresh, never the target's: an MLA drafter over an MLA target
+    # in float32 on the CPU needs CPU_MLA named again (the AMX one it would pick packs only 16-bit weights)
+    drafter_options = {"attention_backend": engine["attention_backend"]} if "attention_backend" in engine else {}
     results: dict[str, Any] = {}
     for k in job["ks"]:
         t0 = time.perf_counter()
         spec = LLM(
             model=job["target"],
-            speculative_config={"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k},
+            speculative_config={
+                "method": "eagle3",
+                "model": job["drafter"],
+                "num_speculative_tokens": k,
+                **drafter_options,
+            },
             **engine,
         )
         timings[metric_keys.vllm_startup_s(k)] = up_s = time.perf_counter() - t0
