@@ -74,7 +74,7 @@ class Procs:
             for name, proc in self.started:
                 if name in servers:
                     proc.send_signal(signal.SIGINT)
-                    proc.wait(timeout=60)
+                    proc.wait(timeout=600)  # a hang guard only: on a loaded machine a server took over 60 s to stop
                 else:
                     assert proc.wait(timeout=900) == 0, f"{name} failed:\n{self.log(name)[-3000:]}"
         finally:
