@@ -22,7 +22,7 @@ from lab.config.rules import PathRule, path_problem
 
 HelpNames = dict[str, str]  # "experiments", "sweeps", "top_level" -> the names there are, for the help texts
 STORE_KEYS = ("tracking.uri", "tracking.artifact_root")  # the files of the store `lab ui`, `server`, `doctor` open
-# `sweep=PATH`: a sweep spec given by its file instead of its name (lab/sweep/spec.py `load`)
+# `sweep=PATH`: a sweep spec given by its file instead of its name (lab/sweep/search_space.py `load`)
 SWEEP_FILE = ("sweep", PathRule("file", "yaml", what="a sweep spec file (YAML)"))
 
 
