@@ -34,7 +34,7 @@ TINY_CHAT = ["data=jsonl", "data.path={root}/good.jsonl", "data.num_sequences=1"
 CASES: list[tuple[str, list[str], str, str]] = [
     # unknown keys
     ("unknown root key", ["run", STORE, "foo=1"], "foo", "unknown config key; allowed under '<root>'"),
-    ("unknown nested key", ["run", STORE, "drafter.bar=1"], "drafter.bar", "allowed under 'drafter': aux_layers"),
+    ("unknown nested key", ["run", STORE, "drafter.bar=1"], "drafter.bar", "under 'drafter': attention, aux_layers"),
     ("unknown preset", ["run", STORE, "drafter=eagle4"], "drafter", "available: eagle3, eagle31"),
     # wrong types
     ("int as text", ["run", STORE, "train.steps=abc"], "train.steps", "expected an integer, got 'abc'"),
