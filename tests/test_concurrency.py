@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import default_sigint
 from mlflow.tracking import MlflowClient
 
 EXPERIMENT = ["experiment=drift_2x2", "--seeds", "0", "--no-progress"]  # 4 arms x 1 seed
@@ -59,7 +60,8 @@ class Procs:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.folder / f"{name}.log", "w")
         cmd = [sys.executable, "-m", "lab.cli", *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder)
+        # Ctrl-C stops a server: its default disposition, even where the suite runs with SIGINT ignored
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder, preexec_fn=default_sigint)
         self.started.append((name, proc))
         return proc
 
@@ -74,7 +76,7 @@ class Procs:
             for name, proc in self.started:
                 if name in servers:
                     proc.send_signal(signal.SIGINT)
-                    proc.wait(timeout=600)  # a hang guard only: on a loaded machine a server took over 60 s to stop
+                    proc.wait(timeout=60)
                 else:
                     assert proc.wait(timeout=900) == 0, f"{name} failed:\n{self.log(name)[-3000:]}"
         finally:
