@@ -78,3 +78,24 @@ def rollout_accuracy(drafter: Eagle3Drafter, input_ids, aux, target_top, depth: 
     from lab.eval.probes import pooled_rollout_accuracy, rollout_counts
 
     return pooled_rollout_accuracy(*rollout_counts(drafter, input_ids, aux, target_top, depth, loss_mask))
+
+
+def assert_decoding_equals_unroll(d: Eagle3Drafter, num_layers: int) -> None:
+    """Drafting step by step with the KVCache sees exactly what training's TTT unroll sees (causal step 0,
+    then each position's own earlier steps), at a few positions of one random sequence."""
+    from lab.drafter import KVCache
+    from lab.drafter.unroll import unroll
+
+    t, length = 10, 3
+    tokens = torch.randint(0, 100, (1, t))
+    aux = torch.randn(1, t, 192) * 3
+    with torch.no_grad():
+        outs = unroll(d, tokens, aux, length)
+        for pos in (0, 4, t - length):
+            cache = KVCache(num_layers)
+            ctx = d(tokens[:, : pos + 1], d.project(aux[:, : pos + 1]), torch.arange(pos + 1)[None], cache)
+            torch.testing.assert_close(ctx[:, pos], outs[0][:, pos], atol=1e-5, rtol=1e-4)
+            h = ctx[:, pos : pos + 1]
+            for step in range(1, length):
+                h = d(tokens[:, pos + step : pos + step + 1], d.feedback(h), torch.tensor([[pos + step]]), cache)
+                torch.testing.assert_close(h[:, 0], outs[step][:, pos], atol=1e-5, rtol=1e-4)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from helpers import small_drafter
+from helpers import assert_decoding_equals_unroll, small_drafter
 
-from lab.drafter import Eagle3Drafter, KVCache, load_checkpoint, save_native
+from lab.drafter import Eagle3Drafter, load_checkpoint, save_native
 from lab.drafter.unroll import unroll
 
 COMBOS = list(itertools.product(["none", "per_layer", "concat"], [False, True]))
@@ -54,19 +54,7 @@ def test_eagle31_normalizes_each_captured_layer_and_feeds_back_norm_h():
 def test_ttt_unroll_equals_step_by_step_decoding(fc_norm, norm_output, num_layers):
     """Training's TTT attention (causal step 0 + diagonal later steps) sees exactly what the decoder sees."""
     d = make(fc_norm, norm_output, num_layers)
-    t, length = 10, 3
-    tokens = torch.randint(0, 100, (1, t))
-    aux = torch.randn(1, t, 192) * 3
-    with torch.no_grad():
-        outs = unroll(d, tokens, aux, length)
-        for pos in (0, 4, t - length):
-            cache = KVCache(num_layers)
-            ctx = d(tokens[:, : pos + 1], d.project(aux[:, : pos + 1]), torch.arange(pos + 1)[None], cache)
-            torch.testing.assert_close(ctx[:, pos], outs[0][:, pos], atol=1e-5, rtol=1e-4)
-            h = ctx[:, pos : pos + 1]
-            for step in range(1, length):
-                h = d(tokens[:, pos + step : pos + step + 1], d.feedback(h), torch.tensor([[pos + step]]), cache)
-                torch.testing.assert_close(h[:, 0], outs[step][:, pos], atol=1e-5, rtol=1e-4)
+    assert_decoding_equals_unroll(d, num_layers)
 
 
 @pytest.mark.parametrize(

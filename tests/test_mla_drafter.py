@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import perturb, small_drafter
+from helpers import assert_decoding_equals_unroll, perturb, small_drafter
 
 from lab.drafter import KVCache
 from lab.drafter import ttt_attention as ttt_attention_module
@@ -124,19 +124,7 @@ def test_the_fast_path_equals_the_ttt_reference_for_mla(monkeypatch, kernel, dim
 def test_mla_decoding_equals_the_ttt_unroll():
     """Drafting step by step with the KVCache sees exactly what the TTT unroll trains on."""
     d = mla_drafter(UNEQUAL, num_layers=2, norm_output=True)
-    t, length = 10, 3
-    tokens = torch.randint(0, 100, (1, t))
-    aux = torch.randn(1, t, 192) * 3
-    with torch.no_grad():
-        outs = unroll(d, tokens, aux, length)
-        for pos in (0, 4, t - length):
-            cache = KVCache(2)
-            ctx = d(tokens[:, : pos + 1], d.project(aux[:, : pos + 1]), torch.arange(pos + 1)[None], cache)
-            torch.testing.assert_close(ctx[:, pos], outs[0][:, pos], atol=1e-5, rtol=1e-4)
-            h = ctx[:, pos : pos + 1]
-            for step in range(1, length):
-                h = d(tokens[:, pos + step : pos + step + 1], d.feedback(h), torch.tensor([[pos + step]]), cache)
-                torch.testing.assert_close(h[:, 0], outs[step][:, pos], atol=1e-5, rtol=1e-4)
+    assert_decoding_equals_unroll(d, 2)
 
 
 def test_a_value_head_wider_than_the_query_key_head_is_refused():
