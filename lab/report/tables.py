@@ -2,6 +2,8 @@
 
 - `al`: AL per arm x suite x drafting depth k, mean +- std over seeds (n), ratio against the baseline arm;
 - `acceptance`: the per-position acceptance rate (accepted at position i / drafts) at the deepest k;
+- `backends` (where the reference decoder and vLLM both ran): AL and per-position acceptance at the training
+  depth from each, side by side;
 - `drift`: sink and self attention mass at drafting step 1 and at the deepest step, norm growth there;
 - `rollout`: teacher-forced rollout accuracy on held-out data at depth 1, the deepest k and the deepest depth.
 
@@ -359,6 +361,35 @@ def acceptance_table(study: Study) -> Table:
     return Table("acceptance", title, columns, rows)
 
 
+def backends_table(study: Study) -> Table | None:
+    """AL and the per-position acceptance rate on the first suite at the training depth (the first k), from the
+    reference decoder and from vLLM side by side: one drafter, two decoders, the same prompts. None unless both
+    ran. An arm vLLM could not serve (its runs' `vllm_skipped` tag) has '-' under vLLM and a note saying why."""
+    if set(study.backends) != {"ref", "vllm"}:
+        return None
+    suite, k = study.suites[0], study.ks[0]
+    columns, keys = [], []
+    for b in ("ref", "vllm"):
+        columns += [Column(f"AL k={k}", b)] + [Column(f"pos {i}", b) for i in range(1, k + 1)]
+        keys += [(metric_keys.acceptance_length(suite, k, b), None)]
+        keys += [(metric_keys.accept_rate(suite, k, b), i) for i in range(k)]
+
+    def cell(arm, key: str, i: int | None) -> Cell:
+        if i is None:
+            return Cell(study.scalars(arm, key))
+        return Cell([c[i] for c in study.curves(arm, key) if len(c) > i])
+
+    rows = [Row(a.name, a.label, [cell(a, key, i) for key, i in keys], n=len(a.runs)) for a in study.arms]
+    title = (
+        f"The reference decoder and vLLM side by side ({suite}, k={k}): AL and the acceptance rate per draft "
+        "position, mean ± std over seeds"
+    )
+    table = Table("backends", title, columns, rows)
+    skipped = {r.data.tags["vllm_skipped"] for a in study.arms for r in a.runs if "vllm_skipped" in r.data.tags}
+    table.notes += [f"vLLM did not run ('-'): {reason}." for reason in sorted(skipped)]
+    return table
+
+
 def drift_table(study: Study) -> Table | None:
     """Sink and self attention mass at drafting step 1 and the deepest step, norm growth there, per suite;
     norm growth with the ratio to the baseline arm."""
@@ -438,7 +469,7 @@ def build(study: Study) -> list[Table]:
     if not study.runs:
         return []
     tables = [al_table(study), acceptance_table(study)]
-    for optional in (drift_table(study), rollout_table(study)):
+    for optional in (backends_table(study), drift_table(study), rollout_table(study)):
         if optional is not None:
             tables.append(optional)
     notes = [f"Missing: {gap}." for gap in study.gaps()]
