@@ -218,6 +218,7 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ),
     # experiments, reports, exports
     ("ablate unknown experiment", ["ablate", "experiment=nope", STORE], "experiment", "available: attention_2x2"),
+    ("paper: no claim on the experiment", ["paper", "--experiment", "nope", STORE], "--experiment", "expected one of"),
     (
         "ablate: server unreachable",
         ["ablate", "experiment=drift_2x2", STORE, f"tracking.uri={DEAD_SERVER}"],

@@ -198,6 +198,11 @@ def test_the_page_gives_each_claim_the_verdict_its_intervals_say(store, tmp_path
     assert mla.startswith("\n\nThe card: the Kimi K2.6 card (not the paper)")
     assert "| AL, in_dist, k=3 | 1.100 [" in mla and "k=8" not in mla
     assert "| HumanEval | 3.192 | 3.134 | 0.982 |" in mla and "| SPEED multilingual | 2.603 | 2.800 | 1.076 |" in mla
+    only = tmp_path / "mla.md"
+    assert main(["paper", "--experiment", "attention_2x2", "--out", str(only), *store]) == 0
+    mla_page = only.read_text()
+    assert mla_page.count("\n## ") == 2 and "## EAGLE 3.1 on an MLA drafter" in mla_page  # the claim, the study
+    assert "--experiment attention_2x2 --out" in mla_page
     again = _page(store, tmp_path / "first" / "paper.md", capsys)
     assert again == page  # seeded bootstrap: the same page on a rerun
 

@@ -64,9 +64,13 @@ def cmd_paper(args: argparse.Namespace) -> int:
 
     extra = list(args.overrides)
     cfg = compose(extra)
+    claims = [c for c in paper.CLAIMS if args.experiment in (None, c.experiment)]
+    if not claims:
+        measured = sorted({c.experiment for c in paper.CLAIMS})
+        raise ConfigError("--experiment", f"no claim is measured on {args.experiment!r}; expected one of {measured}")
     uri = reachable(cfg.tracking.uri)
     studies: dict[str, tuple] = {}  # experiment -> (its study or None, how it was found)
-    for claim in paper.CLAIMS:
+    for claim in claims:
         if claim.experiment in studies:
             continue
         exp = experiment.load(claim.experiment)
@@ -77,11 +81,18 @@ def cmd_paper(args: argparse.Namespace) -> int:
             studies[claim.experiment] = (None, "")
             continue
         studies[claim.experiment] = (load_study(exp, uri, parent), note)
-    findings = [paper.measure(claim, *studies[claim.experiment]) for claim in paper.CLAIMS]
+    findings = [paper.measure(claim, *studies[claim.experiment]) for claim in claims]
     out = Path(args.out or Path("reports") / "paper.md")
     said = [redact(o) for o in extra]
-    command = " ".join(["lab paper", *said, *(["--out", str(args.out)] if args.out else [])])
-    title = f"EAGLE 3.1's claims measured on {cfg.target.name}" + (f" ({' '.join(said)})" if said else "")
+    command = " ".join(
+        ["lab paper", *said]
+        + (["--experiment", args.experiment] if args.experiment else [])
+        + (["--out", str(args.out)] if args.out else [])
+    )
+    # the studies' own target (an experiment may name one, as attention_2x2 does), else the composed one
+    targets = {s.runs[0].data.params.get("target.name") for s, _ in studies.values() if s is not None and s.runs}
+    on = ", ".join(sorted(t for t in targets if t)) or cfg.target.name
+    title = f"EAGLE 3.1's claims measured on {on}" + (f" ({' '.join(said)})" if said else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     from lab.fsutil import atomic_file
 
@@ -122,6 +133,7 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
 
 def _paper_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="the overrides the studies ran with, e.g. profile=medium")
+    p.add_argument("--experiment", help="only the claims measured on this experiment, e.g. attention_2x2")
     p.add_argument("--out", type=path_type("out-file"), help="the page (default: reports/paper.md)")
 
 
@@ -136,6 +148,7 @@ REPORT = Verb(
 PAPER = Verb(
     cmd_paper,
     _paper_arguments,
-    epilog="examples:\n  lab paper profile=medium --out docs/results/paper.md\n  lab paper profile=quick",
+    epilog="examples:\n  lab paper profile=medium --out docs/results/paper.md\n  lab paper profile=quick\n"
+    "  lab paper profile=quick --experiment attention_2x2",
     fill=False,
 )
