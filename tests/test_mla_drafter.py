@@ -310,3 +310,14 @@ def test_the_structured_mla_pair_drafts_in_part(tmp_path):
         assert tokens == reference
         pooled.merge(stats)
     assert all(0.1 < r < 0.9 for r in pooled.accept_rate), pooled.accept_rate
+
+
+def test_a_yarn_mla_drafter_decodes_as_it_trains():
+    """With a target's YaRN (Kimi K2's keys) an MLA drafter's rotary and softmax scale change alike in decoding
+    and in training's unroll (the gain folded into q, which every kernel reads)."""
+    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64, "beta_fast": 1.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    d = mla_drafter(UNEQUAL, num_layers=2, norm_output=True, rope_scaling=yarn)
+    assert d.layers[0].self_attn.softmax_gain == pytest.approx((0.1 * math.log(32) + 1) ** 2)
+    assert not torch.equal(d.rotary.inv_freq, mla_drafter(UNEQUAL).rotary.inv_freq)
+    assert_decoding_equals_unroll(d, 2)
