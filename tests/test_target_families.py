@@ -233,3 +233,88 @@ def test_vllm_evaluation_of_an_unservable_pair_is_refused_in_one_line(case, tmp_
     with pytest.raises(vllm_backend.VllmError, match=refusal) as exc:
         vllm_backend.evaluate(tmp_path, small_drafter(**dims), [], [3], eval_cfg, 0, 1, tmp_path / "w.log", 2048)
     assert "\n" not in str(exc.value) and not (tmp_path / "w.log").exists()
+
+
+KIMI_YARN = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip  # Kimi K2's config.json
+
+
+def kimi_k2_folder(folder):
+    """A tiny random-weight folder shaped as Kimi K2's: config.json with model_type kimi_k2, architectures
+    DeepseekV3ForCausalLM, DeepSeek's YaRN `rope_scaling`, an `auto_map` to modelling code that is not there
+    (transformers would need trust_remote_code), no head_dim; MLA dims vLLM serves (512 + 64)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = build.train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300)
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=512,
+        qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, max_position_embeddings=131072,
+        rope_scaling=dict(KIMI_YARN), rope_theta=50000.0, tie_word_embeddings=False, num_mtp_layers=0,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )  # fmt: skip
+    DeepseekV3ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "head_dim", "transformers_version"):
+        saved.pop(key, None)
+    saved.update(
+        model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"], rope_scaling=dict(KIMI_YARN),
+        rope_theta=50000.0, topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0,
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                  "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    )  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(saved))
+    return folder
+
+
+def test_a_kimi_k2_folder_works_through_target_path(micro_overrides, tmp_path):
+    """target=hf over a Kimi K2-shaped folder loads with transformers' DeepSeek-V3 classes (no remote code), its
+    YaRN read; an MLA drafter takes the target's MLA dims and YaRN (rotary frequencies, cos/sin magnitude and
+    softmax scale equal transformers' DeepSeek-V3's); capture follows vLLM's layer ids; the reference decoder
+    is lossless over it; the export keeps vLLM's aux layer ids (no kimi_k2 shift) and the YaRN, and loads back."""
+    from lab.drafter import init_drafter, load_checkpoint, save_native
+    from lab.eval.reference import speculative_decode, target_decode
+    from lab.target import load
+
+    folder = kimi_k2_folder(tmp_path / "kimi")
+    over = [*micro_overrides, "target=hf", f"target.path={folder}", "drafter=eagle31", "drafter.attention=mla"]
+    cfg = compose(over)
+    assert target_shape(cfg)["head_dim"] == 64 and aux_layers(cfg) == [1, 2, 3]
+    assert vllm_engine_options(folder, "float32", cpu=True)["compilation_config"]  # interleaved rotary: torch's
+    target = load(cfg, progress=False)
+    model = target.model
+    assert type(model).__name__ == "DeepseekV3ForCausalLM" and model.config.rope_parameters["rope_type"] == "yarn"
+
+    ids = torch.randint(3, target.vocab_size, (2, 10))
+    states = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+    cap = capture(model, ids, [1, 2, 3])
+    for slot, layer in enumerate([1, 2, 3]):  # vLLM's id i: the input of decoder layer i, kimi_k2 too
+        torch.testing.assert_close(cap.aux[..., slot * 64 : (slot + 1) * 64], states[layer])
+
+    drafter = init_drafter(target, cfg.drafter, aux_layers(cfg), seed=0).eval()
+    spec = drafter.spec
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.rope_theta) == (32, 512, 64, 50000.0)
+    assert spec.rope_scaling == KIMI_YARN
+    rotary, theirs = drafter.rotary, model.model.rotary_emb
+    torch.testing.assert_close(rotary.inv_freq, theirs.inv_freq.float(), rtol=1e-6, atol=0)
+    assert rotary.magnitude == pytest.approx(theirs.attention_scaling)
+    attn = model.model.layers[0].self_attn  # transformers: qk^-0.5 * mscale(factor, mscale_all_dim)^2
+    assert drafter.layers[0].self_attn.softmax_gain == pytest.approx(attn.scaling * 96**0.5)
+    assert drafter.layers[0].self_attn.softmax_gain == pytest.approx((0.1 * math.log(32) + 1) ** 2)
+
+    prompt = ids[0].tolist()
+    reference, _ = target_decode(model, prompt, 12)
+    tokens, stats = speculative_decode(model, drafter, prompt, 12, 3)
+    assert tokens == reference and stats.rounds > 0
+
+    out = save_native(drafter, tmp_path / "drafter")
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM's ids, as captured
+    assert exported["model_type"] == "deepseek_v2" and exported["rope_parameters"]["rope_type"] == "yarn"
+    back = load_checkpoint(out)
+    assert back.spec.rope_scaling == KIMI_YARN
+    tokens_back, _ = speculative_decode(model, back, prompt, 12, 3)
+    assert tokens_back == reference

@@ -30,10 +30,10 @@ def suite(micro_overrides, micro_target):
     return build_suite("in_dist", micro_target.tokenizer, cfg)
 
 
-def vllm_eval(target_path, drafter, suite, tmp_path, ks=(K,), throughput=False, fmt="native", checkpoint=None):
-    cfg = OmegaConf.create(
+def _vllm_cfg(max_new_tokens: int, throughput: bool = False, fmt: str = "native"):
+    return OmegaConf.create(
         {
-            "max_new_tokens": suite.max_new_tokens,
+            "max_new_tokens": max_new_tokens,
             "temperature": 0.0,
             "vllm": {
                 "format": fmt,
@@ -45,6 +45,10 @@ def vllm_eval(target_path, drafter, suite, tmp_path, ks=(K,), throughput=False, 
             },
         }
     )
+
+
+def vllm_eval(target_path, drafter, suite, tmp_path, ks=(K,), throughput=False, fmt="native", checkpoint=None):
+    cfg = _vllm_cfg(suite.max_new_tokens, throughput, fmt)
     return vllm_backend.evaluate(
         target_path, drafter, [suite], list(ks), cfg, 0, 2, tmp_path / "worker.log", 2048, checkpoint=checkpoint
     )
@@ -173,6 +177,38 @@ def test_vllm_serves_an_mla_drafter_over_an_mla_target_at_the_reference_acceptan
     assert metrics[f"eval/in_dist/vllm/k{K}/exact_match"] == 1.0
     print(f"MLA k={K}: ref AL {reference:.4f} {ref[f'eval/in_dist/ref/k{K}/accept_rate']}, vllm AL "
           f"{metrics[f'eval/in_dist/vllm/k{K}/al']:.4f} {curve}")  # fmt: skip
+
+
+def test_vllm_equals_the_reference_on_a_structured_mla_pair_that_accepts_in_part(tmp_path):
+    """An MLA drafter over a DeepSeek-V3-shaped target whose greedy output is known (x -> x + 1) and varied, the
+    drafter missing a seeded share of the tokens (tests/helpers.py `structured_mla_pair`): the acceptance at
+    every position lies strictly between 0 and 1 and depends on where each round starts, so vLLM's per-position
+    acceptance and AL equal the reference decoder's only if both verify and draft the same tokens round by
+    round; vLLM's own output is the known map, as is the target's in transformers."""
+    from helpers import STRUCTURED_VOCAB, structured_mla_pair
+
+    from lab.data.suites import Suite
+
+    v = STRUCTURED_VOCAB
+    model, drafter, _ = structured_mla_pair(tmp_path / "target")
+    prompts = [[(a + i) % v for i in range(6)] for a in range(0, v, 16)]
+    suite = Suite("in_dist", prompts, ["all"] * len(prompts), max_new_tokens=32)
+    known = [[(p[-1] + 1 + i) % v for i in range(32)] for p in prompts]
+    ref = evaluate_suite(model, drafter, suite, [K], progress=False)
+    outputs: dict = {}
+    metrics = vllm_backend.evaluate(
+        tmp_path / "target", drafter, [suite], [K], _vllm_cfg(32), 0, 2, tmp_path / "worker.log", 2048,
+        outputs=outputs,
+    )  # fmt: skip
+    ref_curve, curve = ref[f"eval/in_dist/ref/k{K}/accept_rate"], metrics[f"eval/in_dist/vllm/k{K}/accept_rate"]
+    print(f"structured MLA k={K}: ref AL {ref[f'eval/in_dist/ref/k{K}/al']:.4f} {ref_curve}, "
+          f"vllm AL {metrics[f'eval/in_dist/vllm/k{K}/al']:.4f} {curve}")  # fmt: skip
+    assert all(0.1 < r < 0.9 for r in ref_curve), ref_curve  # neither 0 nor 1 at any position
+    assert ref[f"eval/in_dist/ref/k{K}/exact_match"] == 1.0
+    assert outputs["in_dist"] == known  # vLLM's target alone: the known map
+    assert metrics[f"eval/in_dist/vllm/k{K}/exact_match"] == 1.0  # with the drafter: the same tokens
+    assert metrics[f"eval/in_dist/vllm/k{K}/al"] == pytest.approx(ref[f"eval/in_dist/ref/k{K}/al"], rel=0.03)
+    assert curve == pytest.approx(ref_curve, rel=0.03, abs=0.01)
 
 
 @pytest.mark.parametrize("toggle", ["fc_norm", "norm_output"])

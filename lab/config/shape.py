@@ -56,11 +56,14 @@ def target_shape(cfg: DictConfig) -> dict[str, int]:
             raise ConfigError("target.path", "required for target.kind=hf (a local Hugging Face model directory)")
         hf = hf_config(t.path)
         heads = hf["num_attention_heads"]
+        # an MLA folder without head_dim (DeepSeek-V3's and Kimi K2's config.json): transformers' head_dim is the
+        # rope part, as a built deepseek_v3 target's below
+        mla_head = hf.get("qk_rope_head_dim") if hf.get("kv_lora_rank") else None
         return {
             "num_layers": hf["num_hidden_layers"],
             "hidden_size": hf["hidden_size"],
             "num_heads": heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads,
+            "head_dim": hf.get("head_dim") or mla_head or hf["hidden_size"] // heads,
         }
     # built here, or a GGUF target's declared shape (known before its conversion; checked after it)
     return {

@@ -80,6 +80,7 @@ def drafter_spec(model_config, dcfg: DictConfig, aux_layers: list[int]) -> Draft
         norm_output=bool(dcfg.norm_output),
         norm_type=str(getattr(dcfg.norm_type, "value", dcfg.norm_type)),
         attention=attention,
+        rope_scaling=target_yarn(tc) if mla else None,
         **mla,
     )
 
@@ -109,6 +110,22 @@ def init_drafter(
             head = target.lm_head_weight
             drafter.lm_head.weight.copy_(head[drafter.draft_token_ids().to(head.device)])
     return drafter.to(target.lm_head_weight.device)
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def target_yarn(model_config) -> dict | None:
+    """The target's YaRN rope scaling (DeepSeek-V3 / Kimi K2: `rope_scaling` of type yarn, which transformers
+    reads into `rope_parameters`), as an MLA drafter takes it: its rotary frequencies and softmax scale are then
+    the target's; None for plain RoPE. Another scaling is refused: the drafter computes only these two."""
+    params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"target rope scaling '{kind}': an MLA drafter computes plain RoPE or YaRN only")
+    return {"type": "yarn", **{k: params[k] for k in YARN_KEYS if params.get(k) is not None}}
 
 
 def _rope_theta(model_config) -> float:

@@ -105,9 +105,18 @@ def mla_config(spec: DrafterSpec) -> dict:
         "model_type": "deepseek_v2",
         "num_key_value_heads": spec.num_heads,
         **{k: getattr(spec, k) for k in MLA_KEYS},
-        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "rope_parameters": _rope_parameters(spec),
         "attention_bias": False,
     }
+
+
+def _rope_parameters(spec: DrafterSpec) -> dict:
+    """The MLA drafter's rope as DeepSeek-V2's config names it: plain, or YaRN with the target's keys (vLLM then
+    runs its `deepseek_yarn` rotary and scales the softmax by mscale(factor, mscale_all_dim)^2, as the module)."""
+    if not spec.rope_scaling:
+        return {"rope_theta": spec.rope_theta, "rope_type": "default"}
+    yarn = {k: v for k, v in spec.rope_scaling.items() if k != "type"}
+    return {"rope_theta": spec.rope_theta, "rope_type": "yarn", **yarn}
 
 
 # native keys that the speculators format keeps beside the layer config, not inside it
@@ -191,7 +200,7 @@ def spec_from_config(
     missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if not cfg.get(k)]
     if missing:
         raise CheckpointError(f"{where}: no {', '.join(missing)}; expected a Llama-style EAGLE-3 drafter config")
-    _check_computable(cfg, where)
+    rope_scaling = _check_computable(cfg, where, mla)
     heads = cfg["num_attention_heads"]
     dims = _mla_dims(cfg, heads, where) if mla else {}
     spec = DrafterSpec(
@@ -216,6 +225,7 @@ def spec_from_config(
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         extra={k: v for k, v in lab.items() if k != "norm_type"},
         attention="mla" if mla else "gqa",
+        rope_scaling=rope_scaling,
         **dims,
     )
     _check_sizes(spec, where)
@@ -304,18 +314,29 @@ def _mla_dims(cfg: dict, heads: int, where: str | Path) -> dict[str, int]:
     return dims
 
 
-def _check_computable(cfg: dict, where: str | Path) -> None:
-    """Refuse what the module would silently compute differently: another activation, biases, rope scaling."""
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _check_computable(cfg: dict, where: str | Path, mla: bool = False) -> dict | None:
+    """Refuse what the module would silently compute differently: another activation, biases, rope scaling
+    (an MLA drafter's DeepSeek YaRN excepted: returned as the spec's rope_scaling)."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act '{cfg['hidden_act']}' is not supported; expected silu")
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise CheckpointError(f"{where}: {key}=true is not supported; expected false (no biases)")
+    scaling = None
     for key in ("rope_scaling", "rope_parameters"):
         rope = cfg.get(key) or {}
         kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind != "default":
-            raise CheckpointError(f"{where}: {key} of type '{kind}' is not supported; expected none (plain RoPE)")
+        if kind == "yarn" and mla:
+            if not isinstance(rope.get("factor"), int | float) or not rope.get("original_max_position_embeddings"):
+                raise CheckpointError(f"{where}: {key}: yarn needs factor and original_max_position_embeddings")
+            scaling = {"type": "yarn", **{k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}}
+        elif kind != "default":
+            expected = "plain RoPE, or yarn for an MLA drafter" if not mla else "plain RoPE or yarn"
+            raise CheckpointError(f"{where}: {key} of type '{kind}' is not supported; expected {expected}")
+    return scaling
 
 
 def _native_from_speculators(cfg: dict, where: str | Path = CONFIG) -> dict:

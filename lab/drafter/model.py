@@ -64,6 +64,9 @@ class DrafterSpec:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # an MLA drafter's rope scaling, DeepSeek's YaRN (`type`: yarn, factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, mscale, mscale_all_dim), taken from a target that has it (Kimi K2); None: plain RoPE
+    rope_scaling: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -114,17 +117,62 @@ def make_norm(norm_type: str, dim: int, eps: float) -> nn.Module:
     raise ValueError(f"drafter.norm_type: unknown '{norm_type}'; allowed: rmsnorm, layernorm")
 
 
-class Rotary(nn.Module):
-    """Llama (neox-style) rotary embedding; positions [B, T] -> cos, sin [B, 1, T, head_dim]."""
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude: 0.1 * mscale * ln(factor) + 1 (1 where factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
-    def __init__(self, head_dim: int, theta: float):
+
+def yarn_softmax_scale(rope_scaling: dict | None) -> float:
+    """The factor DeepSeek's YaRN multiplies the attention's softmax scale by: yarn_mscale(factor,
+    mscale_all_dim) squared (1 without YaRN or without mscale_all_dim), as vLLM's and transformers' DeepSeek-V2/V3
+    attention compute it."""
+    if not rope_scaling:
+        return 1.0
+    return yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling.get("mscale_all_dim") or 0.0)) ** 2
+
+
+def yarn_inv_freq(dim: int, theta: float, rope_scaling: dict) -> tuple[torch.Tensor, float]:
+    """DeepSeek's YaRN (vLLM's `deepseek_yarn`, transformers' `yarn`): inverse frequencies interpolated by
+    `factor` below the correction range and kept above it, with a linear ramp between; and the cos/sin magnitude
+    yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)."""
+    factor = float(rope_scaling["factor"])
+    original = float(rope_scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(rope_scaling.get("beta_fast", 32)), float(rope_scaling.get("beta_slow", 1))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    magnitude = yarn_mscale(factor, float(rope_scaling.get("mscale", 1.0))) / yarn_mscale(
+        factor, float(rope_scaling.get("mscale_all_dim") or 0.0)
+    )
+    return inv_freq, magnitude
+
+
+class Rotary(nn.Module):
+    """Llama (neox-style) rotary embedding; positions [B, T] -> cos, sin [B, 1, T, head_dim]. With
+    `rope_scaling` (DeepSeek's YaRN: factor, original_max_position_embeddings, beta_fast, beta_slow, mscale,
+    mscale_all_dim) its frequencies and magnitude are YaRN's (`yarn_inv_freq`)."""
+
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.magnitude = 1.0
+        if rope_scaling:
+            inv_freq, self.magnitude = yarn_inv_freq(head_dim, theta, rope_scaling)
+        else:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        if self.magnitude != 1.0:
+            return emb.cos() * self.magnitude, emb.sin() * self.magnitude
         return emb.cos(), emb.sin()
 
 
@@ -258,6 +306,8 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
         self.qk_dim = self.nope + self.rope
         self.kv_lora_rank = spec.kv_lora_rank
+        # YaRN scales the softmax by mscale(factor, mscale_all_dim)^2: folded into q, which every kernel reads
+        self.softmax_gain = yarn_softmax_scale(spec.rope_scaling)
         if self.v_dim > self.qk_dim:
             raise ValueError(
                 f"drafter.v_head_dim: expected at most {self.qk_dim} (qk_nope + qk_rope), got {self.v_dim}"
@@ -291,12 +341,14 @@ class MLAttention(nn.Module):
         q_pe = rotary(deinterleave(q_pe), cos, sin)
         k_pe = rotary(deinterleave(k_pe)[..., None, :], cos, sin).expand(*lead, h, self.rope)
         q = torch.cat([q_nope, q_pe], -1)
+        if self.softmax_gain != 1.0:
+            q = q * self.softmax_gain
         k = torch.cat([k_nope, k_pe], -1)
         return q, k, F.pad(v, (0, self.qk_dim - self.v_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """x [B, T, in_width] -> [B, T, H]. The caches scale scores by 1/sqrt(q's width) = 1/sqrt(nope + rope),
-        DeepSeek's softmax scale (its YaRN mscale is 1 without rope scaling, which this drafter has none of)."""
+        DeepSeek's softmax scale; with YaRN q carries its mscale^2 (`softmax_gain`)."""
         b, t, _ = x.shape
         # cos, sin [B, 1, T, rope] -> [B, T, 1, rope], against [B, T, heads, rope]
         q, k, v = self.qkv(self.q_a_proj(x), self.kv_a_proj_with_mqa(x), cos.transpose(1, 2), sin.transpose(1, 2))
@@ -368,7 +420,7 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(h, spec.rms_norm_eps)
         self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
-        self.rotary = Rotary(spec.rope_dim, spec.rope_theta)
+        self.rotary = Rotary(spec.rope_dim, spec.rope_theta, spec.rope_scaling if spec.attention == "mla" else None)
         if spec.draft_vocab_size != spec.vocab_size:
             # target id = draft id + d2t[draft id]
             self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))

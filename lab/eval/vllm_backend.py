@@ -70,11 +70,13 @@ def evaluate(
     max_model_len: int,
     checkpoint: Path | None = None,
     progress: bool = False,
+    outputs: dict[str, list[list[int]]] | None = None,
 ) -> Metrics:
     """AL, acceptance curves, tokens/s, exact match with the target's own greedy output, and the
     speedup at each concurrency, for every suite and k, from one vLLM worker process. The worker's
     output goes to `log_path` (its progress lines to the console too, with `progress`). vLLM reads
-    `drafter` as exported here, or `checkpoint` if given."""
+    `drafter` as exported here, or `checkpoint` if given. `outputs`, where given, receives vLLM's greedy output
+    of the target alone, per suite and prompt (new token ids)."""
     v = eval_cfg.vllm
     reason = unservable(drafter.spec, target_path, v.format, cuda=torch.cuda.is_available())
     if reason:
@@ -108,6 +110,8 @@ def evaluate(
         if returncode != 0 or not result_path.is_file():
             raise VllmError(f"vLLM worker exited with {returncode}: {last_error_line(log_path)} (log: {log_path})")
         result = json.loads(result_path.read_text())
+    if outputs is not None:
+        outputs.update(result.get("outputs", {}))
     metrics = metrics_from_result(result, suites, eval_cfg.temperature)
     metrics[metric_keys.stage_seconds("vllm")] = time.perf_counter() - start
     return metrics

@@ -146,7 +146,8 @@ def run(job: dict) -> dict:
             say(line)
         del spec
         gc.collect()
-    return {"results": results, "timings": timings, "vllm_version": _vllm_version()}
+    # the target's own greedy output in vLLM, per suite and prompt: what a caller checks against transformers'
+    return {"results": results, "outputs": reference, "timings": timings, "vllm_version": _vllm_version()}
 
 
 def _throughput(base: Any, spec: Any, prompts: list[list[int]], concurrency: int, generate) -> dict[str, float]:

@@ -63,6 +63,29 @@ def _hf_fingerprint(path: Path) -> str:
     return short_hash([(p.name, p.stat().st_size) for p in files] + [(path / "config.json").read_text()])
 
 
+# model types whose checkpoints are DeepSeek-V3's architecture under another name and ship their modelling as
+# remote code (`auto_map`): loaded with transformers' own DeepSeek-V3 classes instead, never running that code.
+# vLLM does the same (vllm/transformers_utils/config.py maps kimi_k2 to DeepseekV3Config).
+DEEPSEEK_V3_ALIASES = ("kimi_k2",)
+
+
+def _deepseek_v3_alias(path: Path):
+    """The transformers DeepseekV3Config of a folder whose config.json names one of DEEPSEEK_V3_ALIASES with the
+    DeepseekV3ForCausalLM architecture (its YaRN `rope_scaling` read as DeepSeek-V3's); None for any other."""
+    hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    if hf.get("model_type") not in DEEPSEEK_V3_ALIASES:
+        return None
+    if hf.get("architectures") != ["DeepseekV3ForCausalLM"]:
+        raise ConfigError(
+            "target.path",
+            f"'{path}': model_type {hf['model_type']} with architectures {hf.get('architectures')}; expected "
+            "[DeepseekV3ForCausalLM] (loaded with transformers' DeepSeek-V3 classes, without remote code)",
+        )
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**{k: v for k, v in hf.items() if k not in ("model_type", "auto_map")})
+
+
 def load(cfg: DictConfig, progress: bool = True) -> Target:
     """The target of `cfg.target` in eval mode, on the device and in the dtype of `cfg.device` / `cfg.dtype`
     (lab/device.py; float32 on the CPU by default); builds the tiny target, or converts a GGUF one, on first
@@ -89,8 +112,15 @@ def load(cfg: DictConfig, progress: bool = True) -> Target:
         info, fingerprint = {}, f"hf-{_hf_fingerprint(path)}"
     try:
         # safetensors only: a pytorch_model.bin is a pickle, which can run code when loaded
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        alias = _deepseek_v3_alias(path)
+        if alias is not None:
+            from transformers import DeepseekV3ForCausalLM
+
+            model = DeepseekV3ForCausalLM.from_pretrained(path, config=alias, dtype=dtype, use_safetensors=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        # an alias's tokenizer is read with its DeepSeek-V3 config, so that its config.json's auto_map is not followed
+        tokenizer = AutoTokenizer.from_pretrained(path, **({"config": alias} if alias is not None else {}))
     except (OSError, ValueError) as exc:
         raise ConfigError("target.path", f"cannot load a causal LM from '{path}': {str(exc).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
