@@ -25,7 +25,8 @@ data=code`: hidden 256, vocabulary 4,096, batches of 8 x 128 tokens), `smollm2` 
 (`target=smollm2 data=sharegpt`: hidden 576, vocabulary 49,152, the pruned draft vocabulary of 16,384,
 batches of 8 x 512 tokens), `smollm2-full` the same with the full vocabulary
 (`drafter.draft_vocab_size=null`), `config` the configured run as the overrides alone compose it.
-Overrides apply on top of the shape (one naming a key of the shape replaces it), e.g. `threads=1`.
+Overrides apply on top of the shape (one naming a key of the shape replaces it), e.g. `threads=1`, or
+`attention=mla drafter.q_lora_rank=64` for an MLA drafter (TorchSpec's `Eagle3DeepseekV2ForCausalLM`).
 SmolLM2's shape needs only its config: its converted folder is built on first use.
 
 Needs TorchSpec (see docs/torchspec.md); without it, it prints how to install it and exits 2.
@@ -179,8 +180,9 @@ def main() -> int:
     spec = drafter_for(cfg).spec
     runners = {backend: make_step(cfg, backend, batches, lm_head) for backend in BACKENDS}
     print(
-        f"shape {args.shape}: drafter {cfg.drafter.fc_norm.value}/norm_output={cfg.drafter.norm_output}, hidden "
-        f"{spec.hidden_size}, vocab {spec.vocab_size} (draft {spec.draft_vocab_size}), batch {b} x {seq} tokens, "
+        f"shape {args.shape}: drafter {spec.attention} {cfg.drafter.fc_norm.value}/norm_output="
+        f"{cfg.drafter.norm_output}, hidden {spec.hidden_size}, vocab {spec.vocab_size} "
+        f"(draft {spec.draft_vocab_size}), batch {b} x {seq} tokens, "
         f"ttt_length {t.ttt_length}, float32, loss on {args.loss_share:.0%} of positions, "
         f"{torch.get_num_threads()} threads"
     )

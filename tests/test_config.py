@@ -157,9 +157,9 @@ BAD = [
         "at most qk_nope_head_dim + qk_rope_head_dim",
     ),
     (
-        ["attention=mla", "drafter.q_lora_rank=64", "train.backend=torchspec"],
-        "drafter.attention",
-        "allowed: gqa",
+        ["attention=mla", "drafter.q_lora_rank=64", "train.backend=torchspec", "drafter.num_layers=2"],
+        "drafter.num_layers",
+        "one decoder layer (midlayer)",
     ),  # retired: `dtype` is the knob
 ]
 

@@ -171,8 +171,18 @@ def test_exporting_a_trained_drafter_still_works(tmp_path, capsys):
     assert "fc_norm=per_layer" in capsys.readouterr().out
 
 
+def test_an_mla_arm_is_written_as_torchspec_mla_drafter(tmp_path):
+    """drafter.attention=mla: the draft JSON is TorchSpec's Eagle3DeepseekV2ForCausalLM, with the MLA dims."""
+    rc, out = export(tmp_path, *MICRO, "drafter=eagle31", "attention=mla", "drafter.q_lora_rank=16")
+    assert rc == 0
+    _, draft, _ = read(out)
+    assert draft["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and draft["model_type"] == "deepseek_v2"
+    assert (draft["q_lora_rank"], draft["kv_lora_rank"], draft["qk_rope_head_dim"]) == (16, 512, 64)
+    assert draft["fc_norm"] is True and draft["norm_output"] is True and draft["num_hidden_layers"] == 1
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchspec") is None, reason=TORCHSPEC_MISSING)
-@pytest.mark.parametrize("preset", ["eagle3", "eagle31"])
+@pytest.mark.parametrize("preset", ["eagle3", "eagle31", "eagle31-mla"])
 def test_torchspec_reads_the_config_and_builds_the_drafter(tmp_path, preset):
     from omegaconf.errors import InterpolationKeyError
     from torchspec import AutoDraftModelConfig, AutoEagle3DraftModel
@@ -193,7 +203,9 @@ def test_torchspec_reads_the_config_and_builds_the_drafter(tmp_path, preset):
     ).save_pretrained(target)
     data = tmp_path / "conversations.jsonl"
     data.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")
-    args = [f"drafter={preset}", "data=code", "target=hf", f"target.path={target}", "drafter.aux_layers=[2,4,7]"]
+    preset, _, attention = preset.partition("-")
+    mla = ["attention=mla", "drafter.q_lora_rank=32"] if attention else []
+    args = [f"drafter={preset}", "data=code", "target=hf", f"target.path={target}", "drafter.aux_layers=[2,4,7]", *mla]
     rc, out = export(tmp_path, *args, "train.ttt_length=4", "--data", str(data))
     assert rc == 0
     flat = config_to_flat_args(load_config(config_path=str(out / "train.yaml")))
@@ -203,6 +215,10 @@ def test_torchspec_reads_the_config_and_builds_the_drafter(tmp_path, preset):
     fc_norm = preset == "eagle31"
     assert (model.fc_norm is not None, model.norm_output) == (fc_norm, fc_norm)
     assert len(model.fc_norm or [None] * 3) == 3 and model.fc.in_features == 3 * 128
+    if attention:  # TorchSpec's MLA drafter, at the dims the JSON gives (512 + 64 latent, rank-32 query)
+        attn = model.midlayer.self_attn
+        assert type(model).__name__ == "Eagle3DeepseekV2ForCausalLM" and attn.q_a_proj.out_features == 32
+        assert attn.kv_a_proj_with_mqa.weight.shape == (512 + 64, 2 * 128) and attn.o_proj.in_features == 4 * 32
     # TorchSpec's schedule is ours from the end of the warm-up on
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=flat.learning_rate)
     warmup = int(flat.warmup_ratio * flat.num_train_steps)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 
 import pytest
 import torch
@@ -40,9 +41,14 @@ needs_torchspec = pytest.mark.skipif(
 )
 
 VOCAB, HIDDEN, AUX_SCALES = 96, 64, (1.0, 4.0, 16.0)  # captured layers at different scales, as in a real target
+# DeepSeek's latent attention (TorchSpec's Eagle3DeepseekV2ForCausalLM): a value head narrower than the query-key
+# head, and a rope part narrower than the nope part, so that a swapped split or a misplaced rotary shows
+MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 
 
-def _drafter(fc_norm: str, norm_output: bool, draft_vocab: int | None = None, seed: int = 0) -> Eagle3Drafter:
+def _drafter(
+    fc_norm: str, norm_output: bool, draft_vocab: int | None = None, seed: int = 0, attention: str = "gqa"
+) -> Eagle3Drafter:
     spec = DrafterSpec(
         hidden_size=HIDDEN,
         target_hidden_size=HIDDEN,
@@ -55,6 +61,7 @@ def _drafter(fc_norm: str, norm_output: bool, draft_vocab: int | None = None, se
         intermediate_size=96,
         fc_norm=fc_norm,
         norm_output=norm_output,
+        **(MLA if attention == "mla" else {}),
     )
     torch.manual_seed(seed)
     return perturb(Eagle3Drafter(spec), draft_vocab)
@@ -88,18 +95,23 @@ def _torchspec_drafter(drafter: Eagle3Drafter, tmp_path):
 
 
 COMBOS = [("none", False), ("per_layer", False), ("none", True), ("per_layer", True)]
+EAGLE3, EAGLE31 = COMBOS[0], COMBOS[-1]
+TORCHSPEC_CLASS = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
 
 
 @needs_torchspec
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
 @pytest.mark.parametrize(("fc_norm", "norm_output"), COMBOS)
-def test_forward_parity(fc_norm, norm_output, tmp_path):
+def test_forward_parity(fc_norm, norm_output, attention, tmp_path):
     """Step by step: the projected features, every step's logits and the hidden state fed to the next
-    step equal TorchSpec's, for each combination of the two EAGLE 3.1 changes."""
+    step equal TorchSpec's, for each combination of the two EAGLE 3.1 changes, with Llama's attention and
+    with DeepSeek's latent attention (MLA: TorchSpec's own GPT-J rotary and softmax scale)."""
     from lab.train.torchspec import TorchSpecTTT
 
     length = 4
-    drafter = _drafter(fc_norm, norm_output)
+    drafter = _drafter(fc_norm, norm_output, attention=attention)
     theirs = _torchspec_drafter(drafter, tmp_path)
+    assert type(theirs).__name__ == TORCHSPEC_CLASS[attention]
     assert (theirs.fc_norm is not None) == (fc_norm == "per_layer") and theirs.norm_output == norm_output
     input_ids, aux, final, lm_head, loss_mask = _batch()
 
@@ -128,15 +140,22 @@ def test_forward_parity(fc_norm, norm_output, tmp_path):
 
 @needs_torchspec
 @pytest.mark.parametrize(
-    ("fc_norm", "norm_output", "draft_vocab"), [*[(*c, None) for c in COMBOS], ("per_layer", True, 40)]
+    ("fc_norm", "norm_output", "draft_vocab", "attention"),
+    [
+        *[(*c, None, "gqa") for c in COMBOS],
+        (*EAGLE31, 40, "gqa"),
+        *[(*c, None, "mla") for c in (EAGLE3, EAGLE31)],
+        (*EAGLE31, 40, "mla"),
+    ],
 )
-def test_loss_and_gradient_parity(fc_norm, norm_output, draft_vocab, tmp_path):
+def test_loss_and_gradient_parity(fc_norm, norm_output, draft_vocab, attention, tmp_path):
     """The TTT loss (every step's loss, the 0.8**i weighted sum, the accuracies) and its gradient with
-    respect to every trained weight equal TorchSpec's, with the full and with a pruned draft vocabulary."""
+    respect to every trained weight equal TorchSpec's, with the full and with a pruned draft vocabulary, for
+    the GQA and (as EAGLE-3 and EAGLE 3.1) the MLA drafter."""
     from lab.train.torchspec import TorchSpecTTT
 
     length = 3
-    drafter = _drafter(fc_norm, norm_output, draft_vocab)
+    drafter = _drafter(fc_norm, norm_output, draft_vocab, attention=attention)
     theirs = _torchspec_drafter(drafter, tmp_path)
     input_ids, aux, final, lm_head, loss_mask = _batch(seed=2)
 
@@ -161,18 +180,19 @@ def test_loss_and_gradient_parity(fc_norm, norm_output, draft_vocab, tmp_path):
 
 
 @needs_torchspec
-def test_backend_trains_the_drafters_own_weights(tmp_path):
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_backend_trains_the_drafters_own_weights(attention, tmp_path):
     """`train.backend=torchspec` in our loop: TorchSpec's module shares the drafter's parameters, so the
     optimizer steps, the metrics and the trained weights are the drafter's, and they match the native
-    backend's after a few steps (same data order and seed)."""
+    backend's after a few steps (same data order and seed), for the GQA and the MLA drafter."""
     from lab.pipeline import training_loss  # the backend's loss, as `lab run` picks it
     from lab.train.torchspec import build_model
 
-    drafter = _drafter("per_layer", True)
+    drafter = _drafter("per_layer", True, attention=attention)
     model = build_model(drafter)
-    assert model.fc.weight is drafter.fc.weight and model.midlayer.self_attn.q_proj.weight is (
-        drafter.layers[0].self_attn.q_proj.weight
-    )
+    assert type(model).__name__ == TORCHSPEC_CLASS[attention]
+    for name, p in drafter.named_parameters():  # the same Parameter objects, every one
+        assert model.get_parameter(name.replace("layers.0.", "midlayer.")) is p, name
 
     input_ids, aux, final, lm_head, loss_mask = _batch(seed=3, b=8, t=20)
     data = HiddenStates(input_ids, loss_mask, aux.bfloat16(), final.bfloat16(), tmp_path)
@@ -180,7 +200,7 @@ def test_backend_trains_the_drafters_own_weights(tmp_path):
     trained, logs = {}, {}
     for backend in ("native", "torchspec"):
         tcfg = OmegaConf.create({**base, "backend": backend, "steps": 4, "batch_size": 4, "log_every": 2})
-        d = _drafter("per_layer", True)
+        d = _drafter("per_layer", True, attention=attention)
         logs[backend] = []
         train(
             d,
@@ -216,12 +236,17 @@ def test_torchspec_backend_refused_without_torchspec():
     assert "\n" not in message and "git clone https://github.com/torchspec-project/TorchSpec" in message
 
 
+MICRO_MLA = ["attention=mla", "drafter.q_lora_rank=16"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
         (["drafter.num_layers=2"], "drafter.num_layers"),
         (["drafter.fc_norm=concat"], "drafter.fc_norm"),
         (["drafter=eagle31", "drafter.norm_type=layernorm"], "drafter.norm_type"),
+        ([*MICRO_MLA, "drafter.num_layers=2"], "drafter.num_layers"),
+        ([*MICRO_MLA, "drafter.fc_norm=concat"], "drafter.fc_norm"),
         (["train.backend=tensorflow"], "train.backend"),
     ],
 )
@@ -232,14 +257,67 @@ def test_torchspec_backend_refuses_what_torchspec_cannot_train(overrides, key):
     assert err.value.key == key and "\n" not in str(err.value)
 
 
-def test_parity_fixture_checkpoint_is_what_torchspec_reads(tmp_path):
-    """Without TorchSpec: the exported config carries what TorchSpec's drafter reads (its fc_norm /
-    norm_output switches and the number of captured layers)."""
-    drafter = _drafter("per_layer", True)
+@pytest.mark.parametrize("overrides", [["target=micro", *MICRO_MLA], ["target=micro_mla", "attention=mla"]])
+def test_torchspec_backend_takes_an_mla_drafter(overrides):
+    """TorchSpec's Eagle3DeepseekV2ForCausalLM builds every MLA drafter validation lets through (over a dense
+    target with the schema's dims, over an MLA target with its own): nothing refused by the config."""
+    cfg = compose([*overrides, "data=micro", "train=quick", "drafter=eagle31", "train.backend=torchspec"])
+    assert cfg.drafter.attention.value == "mla"
+
+
+@pytest.fixture
+def torchspec_without_mla(monkeypatch):
+    """A TorchSpec that lacks the MLA drafter: tests/fake_torchspec (importable, with `torchspec.models.eagle3`
+    but no `torchspec.models.draft.deepseek_eagle`) first on sys.path, whether a real TorchSpec is there or not."""
+    from pathlib import Path
+
+    def ours() -> list[str]:
+        return [m for m in sys.modules if m == "torchspec" or m.startswith("torchspec.")]
+
+    for name in ours():  # a real TorchSpec imported earlier: put back by monkeypatch after the test
+        monkeypatch.delitem(sys.modules, name)
+    fake = Path(__file__).parent / "fake_torchspec"
+    monkeypatch.syspath_prepend(str(fake))
+    assert Path(importlib.import_module("torchspec").__file__).is_relative_to(fake)
+    yield
+    for name in ours():  # the fake's modules, before monkeypatch restores the real ones
+        del sys.modules[name]
+
+
+def test_torchspec_without_mla_refused_for_an_mla_drafter(torchspec_without_mla):
+    """`drafter.attention=mla` with a TorchSpec that has no MLA drafter: one line naming the key, from the same
+    preflight `lab run` and a study's check of each point run before any work; its GQA drafter still passes."""
+    from lab.preflight import check_environment
+
+    base = ["target=micro", "data=micro", "train=quick", "train.backend=torchspec"]
+    check_environment(compose(base))  # the fake is a TorchSpec: the GQA drafter is not refused
+    with pytest.raises(ConfigError) as err:
+        check_environment(compose([*base, *MICRO_MLA]))
+    message = str(err.value)
+    assert err.value.key == "drafter.attention" and "\n" not in message, message
+    assert message.startswith("drafter.attention: mla with train.backend=torchspec: the installed TorchSpec has no")
+    assert "Eagle3DeepseekV2ForCausalLM" in message
+
+
+@needs_torchspec
+def test_torchspec_with_mla_passes_preflight():
+    from lab.preflight import check_environment
+
+    check_environment(compose(["target=micro", "data=micro", "train=quick", "train.backend=torchspec", *MICRO_MLA]))
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_parity_fixture_checkpoint_is_what_torchspec_reads(attention, tmp_path):
+    """Without TorchSpec: the exported config carries what TorchSpec's drafter reads (its class, its fc_norm /
+    norm_output switches, the number of captured layers, and MLA's dims where it has them)."""
+    drafter = _drafter("per_layer", True, attention=attention)
     config = json.loads((save_native(drafter, tmp_path / "c") / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["architectures"] == [TORCHSPEC_CLASS[attention]] and config["num_hidden_layers"] == 1
     assert config["fc_norm"] is True and config["norm_output"] is True
     assert len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == 3
+    if attention == "mla":  # DeepseekV3Config's names, and no rope scaling (TorchSpec would scale the softmax)
+        assert {k: config[k] for k in MLA if k != "attention"} == {k: v for k, v in MLA.items() if k != "attention"}
+        assert config["rope_parameters"]["rope_type"] == "default" and "rope_scaling" not in config
 
 
 @needs_torchspec

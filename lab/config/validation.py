@@ -195,13 +195,11 @@ def _validate_lengths(cfg: DictConfig) -> None:
 
 def check_torchspec_drafter(cfg: DictConfig) -> None:
     """ConfigError naming the key of a drafter TorchSpec's EAGLE-3 cannot be: it has one decoder layer
-    (`midlayer`) and RMSNorm fc norms, one per captured layer or none."""
+    (`midlayer`) and RMSNorm fc norms, one per captured layer or none. Its MLA drafter
+    (`Eagle3DeepseekV2ForCausalLM`, drafter.attention=mla) builds every MLA drafter `_validate_mla` lets
+    through: a query rank or none, any head dims, GPT-J rotary on the rope dims without scaling (as ours),
+    the softmax scale 1/sqrt(nope + rope); whether the installed TorchSpec has it is lab/preflight.py's."""
     d = cfg.drafter
-    if d.attention != Attention.gqa:
-        raise ConfigError(
-            "drafter.attention",
-            f"TorchSpec's EAGLE-3 drafter has Llama attention only, got {d.attention.value}; allowed: gqa",
-        )
     if d.num_layers != 1:
         raise ConfigError(
             "drafter.num_layers", f"TorchSpec's EAGLE-3 drafter has one decoder layer (midlayer), got {d.num_layers}"

@@ -4,13 +4,13 @@ driven by our loop, data and logging.
 TorchSpec (torchspec-project/TorchSpec; EAGLE 3.1 in its PR #97) is not on PyPI. Its model code runs on
 CPU; only its training entry needs CUDA, Ray and Mooncake, and that entry is not used here.
 
-The TorchSpec module (`LlamaForCausalLMEagle3`, one `midlayer`) is built from the same draft config
-JSON that `lab export` writes, and its parameters ARE the workbench drafter's (shared tensors, not
-copies): the optimizer, resume checkpoints, the exported checkpoint and the reference evaluator all
-see the weights TorchSpec trains, and nothing is converted back. Per batch, `Eagle3Model.forward`
-unrolls the TTT steps (its attention cache, its feedback with `norm_output`, its compiled forward-KL
-loss against the target's lm_head applied to the cached final states, as in TorchSpec's
-`Eagle3Trainer._forward`); the step losses are weighted `step_weight**i` like TorchSpec's
+The TorchSpec module (`LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM` for drafter.attention=mla;
+one `midlayer`) is built from the same draft config JSON that `lab export` writes, and its parameters ARE
+the workbench drafter's (shared tensors, not copies): the optimizer, resume checkpoints, the exported
+checkpoint and the reference evaluator all see the weights TorchSpec trains, and nothing is converted back.
+Per batch, `Eagle3Model.forward` unrolls the TTT steps (its attention cache, its feedback with `norm_output`,
+its compiled forward-KL loss against the target's lm_head applied to the cached final states, as in
+TorchSpec's `Eagle3Trainer._forward`); the step losses are weighted `step_weight**i` like TorchSpec's
 `ploss_weights`.
 
 Conventions bridged here: TorchSpec's batch shifts `input_ids` and the target states one position
@@ -55,8 +55,10 @@ def _internal_name(ours: str) -> str:
 
 
 def build_model(drafter: Eagle3Drafter, attention_backend: str = "sdpa") -> nn.Module:
-    """TorchSpec's `LlamaForCausalLMEagle3` for `drafter`, sharing its parameters (config validation has
-    refused the drafters TorchSpec cannot build: more than one layer, concat or LayerNorm fc norms)."""
+    """TorchSpec's drafter for `drafter`, sharing its parameters: `LlamaForCausalLMEagle3`, or with MLA
+    attention `Eagle3DeepseekV2ForCausalLM` (its DeepSeek names are ours: q_a_proj, kv_a_proj_with_mqa, ...).
+    Config validation has refused the drafters TorchSpec cannot build (more than one layer, concat or LayerNorm
+    fc norms), preflight an MLA drafter where the installed TorchSpec has none."""
     from torchspec import AutoDraftModelConfig, AutoEagle3DraftModel
 
     config = {k: v for k, v in native_config(drafter.spec).items() if k != "lab"}

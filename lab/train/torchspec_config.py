@@ -1,9 +1,10 @@
 """`lab torchspec-config`: one arm of the workbench as a TorchSpec training run on a GPU cluster.
 
 Writes `train.yaml` (read by `python -m torchspec.train_entry --config train.yaml`) and `draft_model.json`
-(TorchSpec's `model.draft_model_config`, a native `LlamaForCausalLMEagle3` config) for the same drafter
-toggles, TTT length, loss weights, learning rate and schedule as the workbench's trainer, shaped after the
-target as `lab.drafter.init_drafter` shapes it, without loading or training the target.
+(TorchSpec's `model.draft_model_config`, a native `LlamaForCausalLMEagle3` config, or with drafter.attention=mla
+an `Eagle3DeepseekV2ForCausalLM` one) for the same drafter toggles, TTT length, loss weights, learning rate and
+schedule as the workbench's trainer, shaped after the target as `lab.drafter.init_drafter` shapes it, without
+loading or training the target.
 
 Numbering: our `drafter.aux_layers` are vLLM ids (id i = the residual stream after i decoder layers);
 TorchSpec's `inference.aux_hidden_states_layers` hook the output of decoder layer N (0-based), so its id is

@@ -1,0 +1,1 @@
+"""Empty: only importable (lab/preflight.py probes it)."""
