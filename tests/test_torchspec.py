@@ -44,6 +44,9 @@ VOCAB, HIDDEN, AUX_SCALES = 96, 64, (1.0, 4.0, 16.0)  # captured layers at diffe
 # DeepSeek's latent attention (TorchSpec's Eagle3DeepseekV2ForCausalLM): a value head narrower than the query-key
 # head, and a rope part narrower than the nope part, so that a swapped split or a misplaced rotary shows
 MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=40, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+# over a target with DeepSeek's YaRN (Kimi K2): its rotary and softmax scale, on positions past the original length
+YARN = dict(type="yarn", factor=4.0, original_max_position_embeddings=8, beta_fast=32, beta_slow=1, mscale=1.0)
+ATTENTION = {"gqa": {}, "mla": MLA, "mla-yarn": MLA | {"rope_scaling": YARN | {"mscale_all_dim": 1.0}}}
 
 
 def _drafter(
@@ -61,7 +64,7 @@ def _drafter(
         intermediate_size=96,
         fc_norm=fc_norm,
         norm_output=norm_output,
-        **(MLA if attention == "mla" else {}),
+        **ATTENTION[attention],
     )
     torch.manual_seed(seed)
     return perturb(Eagle3Drafter(spec), draft_vocab)
@@ -97,15 +100,16 @@ def _torchspec_drafter(drafter: Eagle3Drafter, tmp_path):
 COMBOS = [("none", False), ("per_layer", False), ("none", True), ("per_layer", True)]
 EAGLE3, EAGLE31 = COMBOS[0], COMBOS[-1]
 TORCHSPEC_CLASS = {"gqa": "LlamaForCausalLMEagle3", "mla": "Eagle3DeepseekV2ForCausalLM"}
+TORCHSPEC_CLASS["mla-yarn"] = TORCHSPEC_CLASS["mla"]
 
 
 @needs_torchspec
-@pytest.mark.parametrize("attention", ["gqa", "mla"])
+@pytest.mark.parametrize("attention", list(ATTENTION))
 @pytest.mark.parametrize(("fc_norm", "norm_output"), COMBOS)
 def test_forward_parity(fc_norm, norm_output, attention, tmp_path):
     """Step by step: the projected features, every step's logits and the hidden state fed to the next
     step equal TorchSpec's, for each combination of the two EAGLE 3.1 changes, with Llama's attention and
-    with DeepSeek's latent attention (MLA: TorchSpec's own GPT-J rotary and softmax scale)."""
+    with DeepSeek's latent attention (MLA: TorchSpec's own GPT-J rotary and softmax scale, plain or YaRN)."""
     from lab.train.torchspec import TorchSpecTTT
 
     length = 4

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig
 
+from lab.drafter.formats import yarn_scaling
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
 
 
@@ -112,9 +113,6 @@ def init_drafter(
     return drafter.to(target.lm_head_weight.device)
 
 
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-
-
 def target_yarn(model_config) -> dict | None:
     """The target's YaRN rope scaling (DeepSeek-V3 / Kimi K2: `rope_scaling` of type yarn, which transformers
     reads into `rope_parameters`), as an MLA drafter takes it: its rotary frequencies and softmax scale are then
@@ -125,7 +123,7 @@ def target_yarn(model_config) -> dict | None:
         return None
     if kind != "yarn":
         raise ValueError(f"target rope scaling '{kind}': an MLA drafter computes plain RoPE or YaRN only")
-    return {"type": "yarn", **{k: params[k] for k in YARN_KEYS if params.get(k) is not None}}
+    return yarn_scaling(params)
 
 
 def _rope_theta(model_config) -> float:

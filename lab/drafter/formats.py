@@ -317,6 +317,11 @@ def _mla_dims(cfg: dict, heads: int, where: str | Path) -> dict[str, int]:
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
+def yarn_scaling(rope: dict) -> dict:
+    """A DrafterSpec's rope_scaling from a config's YaRN rope dict (rope_scaling or rope_parameters)."""
+    return {"type": "yarn", **{k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}}
+
+
 def _check_computable(cfg: dict, where: str | Path, mla: bool = False) -> dict | None:
     """Refuse what the module would silently compute differently: another activation, biases, rope scaling
     (an MLA drafter's DeepSeek YaRN excepted: returned as the spec's rope_scaling)."""
@@ -332,7 +337,7 @@ def _check_computable(cfg: dict, where: str | Path, mla: bool = False) -> dict |
         if kind == "yarn" and mla:
             if not isinstance(rope.get("factor"), int | float) or not rope.get("original_max_position_embeddings"):
                 raise CheckpointError(f"{where}: {key}: yarn needs factor and original_max_position_embeddings")
-            scaling = {"type": "yarn", **{k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}}
+            scaling = yarn_scaling(rope)
         elif kind != "default":
             expected = "plain RoPE, or yarn for an MLA drafter" if not mla else "plain RoPE or yarn"
             raise CheckpointError(f"{where}: {key} of type '{kind}' is not supported; expected {expected}")
