@@ -55,9 +55,10 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_pa
     )
     exp = experiment.load("tiny", tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    extra = [*micro_overrides, f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path / 'art'}"]
+    extra = [o for o in micro_overrides if not o.startswith("threads=")]  # two workers of one thread each
+    extra += [f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path / 'art'}"]
     sweep = exp.as_sweep(extra)
-    first = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
+    first = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], workers=2, progress=False)
     assert first.ran == 4 and first.counts["complete"] == 4
     children = track.child_runs(uri, first.parent_run_id, status="FINISHED")
     assert sorted((r.data.tags["arm"], r.data.tags["seed"]) for r in children) == [
