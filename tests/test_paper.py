@@ -195,7 +195,8 @@ def test_the_page_gives_each_claim_the_verdict_its_intervals_say(store, tmp_path
     # the MLA claim: the MLA arms' ratio at the training depth, the card's figures beside it as the card's
     mla = page.split("## EAGLE 3.1 on an MLA drafter")[1].split("\n## ")[0]
     assert summary["EAGLE 3.1 on an MLA drafter"].endswith("(AL, in_dist, k=3) | agrees |")
-    assert mla.startswith("\n\nThe card: the Kimi K2.6 card (not the paper)")
+    assert mla.startswith("\n\nThe claim: the Kimi K2.6 card (not the paper)")
+    assert "The card's ratios span 0.982 to 1.076; this workbench's, 1.100 to 1.100." in mla
     assert "| AL, in_dist, k=3 | 1.100 [" in mla and "k=8" not in mla
     assert "| HumanEval | 3.192 | 3.134 | 0.982 |" in mla and "| SPEED multilingual | 2.603 | 2.800 | 1.076 |" in mla
     only = tmp_path / "mla.md"

@@ -211,7 +211,7 @@ CLAIMS = [
     Claim(
         "EAGLE 3.1 on an MLA drafter",
         "the Kimi K2.6 card (not the paper): EAGLE 3.1 / EAGLE-3 AL at k=3 of its MLA drafter x0.98 to x1.08 "
-        "over four benchmarks",
+        "over four benchmarks, above 1 on three",
         True,
         "attention_2x2",
         "mla_eagle31",
@@ -338,7 +338,12 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
     for f in findings:
         c = f.claim
         whose = "the card" if c.card else "the paper"
-        lines += ["", f"## {c.title}", "", f"{whose.capitalize()}: {c.paper}. Measured on `{c.experiment}`"]
+        lines += [
+            "",
+            f"## {c.title}",
+            "",
+            f"The {'claim' if c.card else 'paper'}: {c.paper}. Measured on `{c.experiment}`",
+        ]
         if f.study is None:
             lines[-1] += f": the store holds no study of it yet (`lab ablate experiment={c.experiment}`)."
         else:
@@ -370,6 +375,14 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
                     lines.append(f"| {label} | {_interval(iv)} | {iv.prompts} x {iv.seeds} | {f.side(iv)} |")
         else:
             lines += ["", f"No finished runs of both `{c.arm}` and `{c.baseline}` yet."]
+        if c.card and f.measured:
+            theirs = [new / old for _, old, new in c.card]
+            ours = [iv.ratio for _, iv in f.measured]
+            lines += [
+                "",
+                f"The card's ratios span {min(theirs):.{DIGITS}f} to {max(theirs):.{DIGITS}f}; this workbench's, "
+                f"{min(ours):.{DIGITS}f} to {max(ours):.{DIGITS}f}. The verdict reads the side of 1, not the size.",
+            ]
         verdict = f.verdict()
         lines += ["", f"Verdict: **{verdict}**."]
         if verdict not in ("agrees", "not measured"):
