@@ -456,6 +456,7 @@ def test_backends_table_sets_the_reference_decoder_beside_vllm(paired_store, tmp
                     curves |= {
                         "eval/in_dist/vllm/k3/al": 2.0 + seed,
                         "eval/in_dist/vllm/k3/accept_rate": [0.6, 0.3, 0.1],
+                        "eval/in_dist/vllm/k3/c1/speedup": 1.5,
                     }
                 run.log_curves(curves)
     study = report.load(uri, parent.id, "both", "", [("gqa", "GQA"), ("mla", "MLA")], "gqa", [0, 1])
@@ -474,6 +475,11 @@ def test_backends_table_sets_the_reference_decoder_beside_vllm(paired_store, tmp
     )
     assert "| GQA | 1 | 2.000 ± 0.000 | 0.600 ± 0.000 | 0.300 ± 0.000 | 0.100 ± 0.000 | - | - | - | - |" in text
     assert f"vLLM did not run ('-'): {skipped}." in text
+    # the speedup figure gives the arm vLLM skipped no slot: the one bar sits on its tick, in the MLA arm's colour
+    fig, _ = FIGURES["vllm_speedup"](study)
+    bars = [p for p in fig.axes[0].patches if p.get_height() == p.get_height()]  # not NaN
+    assert len(bars) == 1 and bars[0].get_x() + bars[0].get_width() / 2 == pytest.approx(0.0)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["MLA"]
     arms = [(name, label) for name, (label, _, _) in ARMS_PAIRED.items()]
     ref_only = report.load(paired_store["uri"], paired_store["parents"]["paired"], "paired", "", arms, "base", [0])
     assert tab_mod.backends_table(ref_only) is None

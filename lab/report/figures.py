@@ -109,15 +109,16 @@ def _interval_note() -> str:
 
 
 def _bars(ax, groups: list[str], study: Study, value: Callable[[Arm, str], list[float]]) -> None:
-    """Grouped bars: one group per x label, one bar per arm, error bar = std over seeds."""
-    width = 0.8 / max(1, len(study.arms))
-    for i, arm in enumerate(study.arms):
-        means, stds = [], []
-        for g in groups:
-            v = value(arm, g)
-            means.append(np.mean(v) if v else np.nan)
-            stds.append(np.std(v, ddof=1) if len(v) > 1 else 0.0)
-        xs = np.arange(len(groups)) + (i - (len(study.arms) - 1) / 2) * width
+    """Grouped bars: one group per x label, one bar per arm that has a value (an arm with none, e.g. one vLLM
+    could not serve, takes no slot; each arm keeps its colour), error bar = std over seeds."""
+    values = {i: [value(arm, g) for g in groups] for i, arm in enumerate(study.arms)}
+    present = [i for i, vs in values.items() if any(vs)]
+    width = 0.8 / max(1, len(present))
+    for slot, i in enumerate(present):
+        arm = study.arms[i]
+        means = [np.mean(v) if v else np.nan for v in values[i]]
+        stds = [np.std(v, ddof=1) if len(v) > 1 else 0.0 for v in values[i]]
+        xs = np.arange(len(groups)) + (slot - (len(present) - 1) / 2) * width
         look = _look(i)
         ax.bar(xs, means, width, yerr=stds, label=arm.label, color=look["color"], capsize=1.5, error_kw={"lw": 0.6})
     ax.set_xticks(
