@@ -63,24 +63,23 @@ def cmd_paper(args: argparse.Namespace) -> int:
     from lab.sweep import experiment
 
     extra = list(args.overrides)
-    cfg = compose(extra)
     claims = [c for c in paper.CLAIMS if args.experiment in (None, c.experiment)]
     if not claims:
         measured = sorted({c.experiment for c in paper.CLAIMS})
         raise ConfigError("--experiment", f"no claim is measured on {args.experiment!r}; expected one of {measured}")
-    uri = reachable(cfg.tracking.uri)
+    # each experiment composed as its ablation ran it (its own overrides, e.g. attention_2x2's target and data)
+    exps = {c.experiment: experiment.load(c.experiment) for c in claims}
+    cfgs = {name: compose([*exp.overrides, *extra]) for name, exp in exps.items()}
+    uri = reachable(next(iter(cfgs.values())).tracking.uri)
     studies: dict[str, tuple] = {}  # experiment -> (its study or None, how it was found)
-    for claim in claims:
-        if claim.experiment in studies:
-            continue
-        exp = experiment.load(claim.experiment)
+    for name, exp in exps.items():
         sweep = exp.as_sweep(extra)
         try:
             parent, note = find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
         except ConfigError:  # no study of it in the store: the page says so
-            studies[claim.experiment] = (None, "")
+            studies[name] = (None, "")
             continue
-        studies[claim.experiment] = (load_study(exp, uri, parent), note)
+        studies[name] = (load_study(exp, uri, parent), note)
     findings = [paper.measure(claim, *studies[claim.experiment]) for claim in claims]
     out = Path(args.out or Path("reports") / "paper.md")
     said = [redact(o) for o in extra]
@@ -89,9 +88,7 @@ def cmd_paper(args: argparse.Namespace) -> int:
         + (["--experiment", args.experiment] if args.experiment else [])
         + (["--out", str(args.out)] if args.out else [])
     )
-    # the studies' own target (an experiment may name one, as attention_2x2 does), else the composed one
-    targets = {s.runs[0].data.params.get("target.name") for s, _ in studies.values() if s is not None and s.runs}
-    on = ", ".join(sorted(t for t in targets if t)) or cfg.target.name
+    on = ", ".join(sorted({cfg.target.name for cfg in cfgs.values()}))
     title = f"EAGLE 3.1's claims measured on {on}" + (f" ({' '.join(said)})" if said else "")
     out.parent.mkdir(parents=True, exist_ok=True)
     from lab.fsutil import atomic_file
