@@ -197,8 +197,9 @@ def check_torchspec_drafter(cfg: DictConfig) -> None:
     """ConfigError naming the key of a drafter TorchSpec's EAGLE-3 cannot be: it has one decoder layer
     (`midlayer`) and RMSNorm fc norms, one per captured layer or none. Its MLA drafter
     (`Eagle3DeepseekV2ForCausalLM`, drafter.attention=mla) builds every MLA drafter `_validate_mla` lets
-    through: a query rank or none, any head dims, GPT-J rotary on the rope dims without scaling (as ours),
-    the softmax scale 1/sqrt(nope + rope); whether the installed TorchSpec has it is lab/preflight.py's."""
+    through: a query rank or none, any head dims, GPT-J rotary on the rope dims (with a target's YaRN too), the
+    softmax scale 1/sqrt(nope + rope) (times YaRN's mscale^2); whether the installed TorchSpec has it is
+    lab/preflight.py's."""
     d = cfg.drafter
     if d.num_layers != 1:
         raise ConfigError(
