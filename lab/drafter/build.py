@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from omegaconf import DictConfig
 
-from lab.drafter.formats import yarn_scaling
+from lab.drafter.formats import rope_kind, yarn_scaling
 from lab.drafter.model import DrafterSpec, Eagle3Drafter
 
 
@@ -118,7 +118,7 @@ def target_yarn(model_config) -> dict | None:
     reads into `rope_parameters`), as an MLA drafter takes it: its rotary frequencies and softmax scale are then
     the target's; None for plain RoPE. Another scaling is refused: the drafter computes only these two."""
     params = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = rope_kind(params)
     if kind == "default":
         return None
     if kind != "yarn":

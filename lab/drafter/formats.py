@@ -317,6 +317,11 @@ def _mla_dims(cfg: dict, heads: int, where: str | Path) -> dict[str, int]:
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
+def rope_kind(rope: dict | str) -> str:
+    """A config's rope scaling kind (`rope_type`, or the older `type`, of rope_scaling / rope_parameters)."""
+    return rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+
+
 def yarn_scaling(rope: dict) -> dict:
     """A DrafterSpec's rope_scaling from a config's YaRN rope dict (rope_scaling or rope_parameters)."""
     return {"type": "yarn", **{k: rope[k] for k in YARN_KEYS if rope.get(k) is not None}}
@@ -333,7 +338,7 @@ def _check_computable(cfg: dict, where: str | Path, mla: bool = False) -> dict |
     scaling = None
     for key in ("rope_scaling", "rope_parameters"):
         rope = cfg.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        kind = rope_kind(rope)
         if kind == "yarn" and mla:
             if not isinstance(rope.get("factor"), int | float) or not rope.get("original_max_position_embeddings"):
                 raise CheckpointError(f"{where}: {key}: yarn needs factor and original_max_position_embeddings")
