@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from lab.config import ConfigError, TargetKind
+from lab.config.shape import hf_config
 from lab.device import resolve_device
 from lab.fsutil import short_hash
 from lab.target import build as target_build
@@ -72,7 +73,7 @@ DEEPSEEK_V3_ALIASES = ("kimi_k2",)
 def _deepseek_v3_alias(path: Path):
     """The transformers DeepseekV3Config of a folder whose config.json names one of DEEPSEEK_V3_ALIASES with the
     DeepseekV3ForCausalLM architecture (its YaRN `rope_scaling` read as DeepSeek-V3's); None for any other."""
-    hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    hf = hf_config(str(path))
     if hf.get("model_type") not in DEEPSEEK_V3_ALIASES:
         return None
     if hf.get("architectures") != ["DeepseekV3ForCausalLM"]:
