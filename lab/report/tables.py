@@ -317,6 +317,11 @@ def _pair(study: Study, table: Table, source: Callable[[Row, int], Source | None
         )
 
 
+def _at(study: Study, arm, key: str, i: int) -> Cell:
+    """Position i (0-based) of the curve `key` in each of the arm's runs whose curve reaches it."""
+    return Cell([c[i] for c in study.curves(arm, key) if len(c) > i])
+
+
 def al_table(study: Study) -> Table:
     """AL per arm x suite x k, with the ratio to the baseline arm (or the change, without records)."""
     b = study.backend
@@ -353,10 +358,7 @@ def acceptance_table(study: Study) -> Table:
     curves = {a.name: study.curves(a, key) for a in study.arms}
     depth = max((len(c) for cs in curves.values() for c in cs), default=0)
     columns = [Column(f"pos {i}", "") for i in range(1, depth + 1)]
-    rows = [
-        Row(a.name, a.label, [Cell([c[i] for c in curves[a.name] if len(c) > i]) for i in range(depth)], n=len(a.runs))
-        for a in study.arms
-    ]
+    rows = [Row(a.name, a.label, [_at(study, a, key, i) for i in range(depth)], n=len(a.runs)) for a in study.arms]
     title = f"Acceptance rate per draft position ({suite}, k={k}: accepted at position i / drafts)"
     return Table("acceptance", title, columns, rows)
 
@@ -375,9 +377,7 @@ def backends_table(study: Study) -> Table | None:
         keys += [(metric_keys.accept_rate(suite, k, b), i) for i in range(k)]
 
     def cell(arm, key: str, i: int | None) -> Cell:
-        if i is None:
-            return Cell(study.scalars(arm, key))
-        return Cell([c[i] for c in study.curves(arm, key) if len(c) > i])
+        return Cell(study.scalars(arm, key)) if i is None else _at(study, arm, key, i)
 
     rows = [Row(a.name, a.label, [cell(a, key, i) for key, i in keys], n=len(a.runs)) for a in study.arms]
     title = (
@@ -404,15 +404,12 @@ def drift_table(study: Study) -> Table | None:
         Column(f"norm growth, step {k}", better="one"),
     ]
 
-    def at(arm, key: str, step: int) -> Cell:
-        return Cell([c[step - 1] for c in study.curves(arm, key) if len(c) >= step])
-
     rows = []
     for s in study.suites:
         for a in study.arms:
             sink, self_mass = metric_keys.drift(s, k, "sink_mass"), metric_keys.drift(s, k, "self_mass")
-            cells = [at(a, sink, 1), at(a, sink, k), at(a, self_mass, 1), at(a, self_mass, k)]
-            cells.append(at(a, metric_keys.drift(s, k, "norm_growth"), k))
+            cells = [_at(study, a, sink, 0), _at(study, a, sink, k - 1), _at(study, a, self_mass, 0)]
+            cells += [_at(study, a, self_mass, k - 1), _at(study, a, metric_keys.drift(s, k, "norm_growth"), k - 1)]
             rows.append(Row(a.name, a.label, cells, group=s, n=len(a.runs)))
     title = (
         f"Attention drift along the speculation chain (k={k}): attention mass on the sink token and on the "
