@@ -8,11 +8,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import TEST_THREADS, stated_threads
 
 from lab.config.composition import compose
 from lab.config.shape import aux_layers
 
 MICRO = ["profile=micro"]
+
+
+@pytest.fixture(autouse=True)
+def _stated_threads():
+    """Each test starts at the stated thread count (tests/helpers.py `TEST_THREADS`), whatever the test before it
+    set (an in-process `lab run` sets its config's `threads`): what it trains does not depend on the order."""
+    with stated_threads():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +35,7 @@ def micro_overrides(workdir) -> list[str]:
         f"cache_dir={workdir / 'cache'}",
         f"tracking.uri=sqlite:///{workdir / 'mlruns' / 'mlflow.db'}",
         f"tracking.artifact_root={workdir / 'mlruns' / 'artifacts'}",
-        "threads=2",
+        f"threads={TEST_THREADS}",  # what `lab` subprocesses train with: the stated count
         "device=cpu",  # the shared target is the CPU's float32 reference, also on a GPU machine (auto: CUDA)
         "train.reuse=false",  # tests share this store: each trains what it tests (reuse has its own test)
     ]
@@ -41,7 +50,8 @@ def micro_cfg(micro_overrides):
 def micro_target(micro_cfg):
     from lab.target import load
 
-    return load(micro_cfg, progress=False)
+    with stated_threads():  # a built target is trained: under the stated count
+        return load(micro_cfg, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +64,8 @@ def micro_mla_cfg(micro_overrides):
 def micro_mla_target(micro_mla_cfg):
     from lab.target import load
 
-    return load(micro_mla_cfg, progress=False)
+    with stated_threads():
+        return load(micro_mla_cfg, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +90,8 @@ def trained_eagle3(micro_cfg, micro_target, micro_hidden):
     from lab.train.ttt import train
 
     drafter = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=0)
-    result = train(drafter, micro_hidden, micro_target.lm_head_weight, micro_cfg.train, seed=0, progress=False)
+    with stated_threads():
+        result = train(drafter, micro_hidden, micro_target.lm_head_weight, micro_cfg.train, seed=0, progress=False)
     return drafter, result
 
 
@@ -90,7 +102,8 @@ def trained_eagle31(micro_overrides, micro_target, micro_hidden):
 
     cfg = compose(micro_overrides + ["drafter=eagle31"])
     drafter = init_drafter(micro_target, cfg.drafter, aux_layers(cfg), seed=0)
-    result = train(drafter, micro_hidden, micro_target.lm_head_weight, cfg.train, seed=0, progress=False)
+    with stated_threads():
+        result = train(drafter, micro_hidden, micro_target.lm_head_weight, cfg.train, seed=0, progress=False)
     return drafter, result
 
 

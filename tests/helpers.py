@@ -4,11 +4,30 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from lab.drafter import DrafterSpec, Eagle3Drafter
+
+# Every model a test trains (the session's targets and drafters, and any test's own training) trains under this one
+# thread count, whatever ran before it in the process: a trained model's weights depend on the thread count (the
+# order of a reduction's sums), a test's verdict must not. LAB_TEST_THREADS runs the suite at another count, to show
+# that the verdicts hold there too (docs/testing.md).
+TEST_THREADS = int(os.environ.get("LAB_TEST_THREADS", "2"))
+
+
+@contextmanager
+def stated_threads(n: int = TEST_THREADS) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside the block, and set back after it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def small_drafter(seed: int = 0, **spec) -> Eagle3Drafter:

@@ -48,7 +48,9 @@ def test_bad_experiments_fail_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, tmp_path):
+def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, micro_target, tmp_path):
+    # micro_target: the session's target, built under the stated threads, before the study's warm-up (which runs at
+    # all cores here: its workers split them) could build it
     (tmp_path / "tiny.yaml").write_text(
         "baseline: e3\nseeds: [0, 1]\noverrides: [train.steps=6, eval.num_prompts=2]\n"
         "arms:\n  e3: {overrides: [drafter=eagle3]}\n  e31: {overrides: [drafter=eagle31]}\n"

@@ -67,7 +67,10 @@ def _lab(*args: str) -> list[str]:
     return [sys.executable, "-m", "lab.cli", *args]
 
 
-def test_three_workers_on_postgres_survive_a_killed_worker(tmp_path, micro_overrides, fresh_database, mlflow_server):
+def test_three_workers_on_postgres_survive_a_killed_worker(
+    tmp_path, micro_overrides, micro_target, fresh_database, mlflow_server
+):
+    # micro_target: the session's target built under the stated threads, not by a worker of one thread
     (tmp_path / "spec.yaml").write_text(SPEC)
     storage = fresh_database("lab_test_optuna")
     extra = [

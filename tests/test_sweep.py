@@ -591,7 +591,8 @@ def test_a_non_finite_loss_fails_its_trial_with_the_reason_and_the_sweep_goes_on
 
 
 @pytest.mark.slow
-def test_queue_only_then_a_worker_finishes_the_study_and_ends_its_parent(tmp_path, micro_overrides):
+def test_queue_only_then_a_worker_finishes_the_study_and_ends_its_parent(tmp_path, micro_overrides, micro_target):
+    # micro_target: the session's target built under the stated threads, not by this study's worker at all cores
     path = _write(
         tmp_path, "queue", "space: {train.lr: [0.003]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )

