@@ -402,6 +402,10 @@ def fake_cuda(monkeypatch) -> Iterator[Report]:  # noqa: ANN001
     # `Module.to` swaps each moved tensor into the module's own Parameter object (as `.data =` keeps it on a
     # GPU): a labelled tensor cannot be set into a plain one's `.data`, nor a plain one into a labelled one's
     monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    # no CUDA graphs on labelled tensors: the static KV cache's step runs uncompiled (its syncs are counted alike)
+    from lab.target import static_decode
+
+    monkeypatch.setattr(static_decode, "compile_step", lambda step, device: step)
     lift = torch._C._only_lift_cpu_tensors()
     # torch.tensor(data, device="cuda") makes its tensor on the CPU and moves it through the mode (as
     # FakeTensorMode has it), rather than asking the absent CUDA allocator
