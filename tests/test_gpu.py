@@ -70,6 +70,24 @@ def test_capture(f32_target, micro_target):
     torch.testing.assert_close(got.final.cpu(), want.final, rtol=1e-3, atol=1e-3)
 
 
+def test_the_static_kv_cache_on_the_device(f32_target):
+    """Greedy batches over the static KV cache, its step compiled into CUDA graphs (`kv_cache` auto on CUDA), give
+    the dynamic cache's tokens (float32 both), and a second batch of a bucket already met compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from lab.target.generate import greedy_batch
+
+    model = f32_target.model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, f32_target.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+    limits = [20, 7, 33, 1, 25]
+    want = greedy_batch(model, prompts, limits, -1, "dynamic")
+    assert greedy_batch(model, prompts, limits, -1) == want
+    graphs = counters["stats"]["unique_graphs"]
+    assert greedy_batch(model, prompts[::-1], limits[::-1], -1) == want[::-1]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_regeneration_with_hf(f32_target, micro_target, tmp_path):
     """`generator=hf` regenerates on the device the answers the CPU regenerates (float32 both)."""
     from test_regenerate import CONVERSATIONS, run
