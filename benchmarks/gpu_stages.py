@@ -239,7 +239,8 @@ def main() -> int:
         # where the counter can count (it refused grouped-query SDPA on CUDA)
         in_draft = torch.zeros(vocab, dtype=torch.bool, device=device)
         in_draft[drafter.draft_token_ids()] = True
-        learnable = in_draft[(batch[2].float() @ target.lm_head_weight.float().T).argmax(-1)]
+        top = torch.stack([(final.float() @ target.lm_head_weight.float().T).argmax(-1) for final in batch[2]])
+        learnable = in_draft[top]  # the positions whose target argmax the draft vocabulary holds
         flops = ttt_step_flops(drafter.spec, learnable.cpu(), 3)
         counted = ""
         try:

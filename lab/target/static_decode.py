@@ -1,9 +1,10 @@
 """Greedy batches over a static KV cache: the target's one-token step at a GPU's speed.
 
 On a GPU, one step of a small target (SmolLM2-135M) is about a thousand small kernels that the host launches
-one by one: measured on an H100, `greedy_batch`'s dynamic cache took about 75 ms a step whatever the batch, the
-GPU busy 7 % of the time. Here the cache is transformers' `StaticCache`, and on CUDA the step is compiled with
-`torch.compile(mode="reduce-overhead")`, which captures it in a CUDA graph: one launch replays the whole step.
+one by one: over the dynamic cache `greedy_batch` took about 75 ms a step whatever the batch, and a profile on
+an H200 found the GPU busy 7 % of the time (issue 56). Here the cache is transformers' `StaticCache`, and on
+CUDA the step is compiled with `torch.compile(mode="reduce-overhead")`, which captures it in a CUDA graph: one
+launch replays the whole step.
 
 A graph holds fixed shapes and addresses, so every batch is padded to a bucket: its rows to the next of
 `ROW_BUCKETS` (the extra rows decode a one-token dummy prompt, and are dropped) and its cache to the next power
@@ -13,7 +14,7 @@ every bucket, so that no bucket falls back to eager halfway through a run.
 
 Rows never leave the batch (the graph's shape is fixed): they all step until every row has finished or the
 longest limit is reached, which on a GPU costs little (a step costs about the same for 16 rows or 256). On a
-CPU the same path runs eagerly, uncompiled, and gives the dynamic path's tokens (tests/test_target.py); there
+CPU the same path runs eagerly, uncompiled, and gives the dynamic path's tokens (tests/test_regenerate.py); there
 the dynamic path is faster, as it drops finished rows.
 """
 
