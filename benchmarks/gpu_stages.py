@@ -1,7 +1,7 @@
 """Every stage's speed on the current device, side by side in one run: greedy generation (regeneration's
-`generator=hf` loop), plain decoding and speculative decoding (k = 3, probes on) in the reference decoder,
-hidden-state capture, and training (tokens/s and MFU). Prints a table and appends it to benchmarks/RESULTS.md
-with the date, the card and the command.
+`generator=hf` loop, over the dynamic KV cache and over the static one in CUDA graphs), plain decoding and
+speculative decoding (k = 3, probes on) in the reference decoder, hidden-state capture, and training (tokens/s
+and MFU). Prints a table and appends it to benchmarks/RESULTS.md with the date, the card and the command.
 
     .venv/bin/python benchmarks/gpu_stages.py                       # a random SmolLM2-135M-shaped target
     .venv/bin/python benchmarks/gpu_stages.py --target micro        # the micro target (CPU-sized)
@@ -10,8 +10,9 @@ with the date, the card and the command.
 The SmolLM2-shaped target has random weights (nothing to download, the exact shape: 30 layers, 576 wide, 9
 heads over 3 KV heads, 49,152 tokens), so its figures are speed, not quality: greedy generation runs every row
 to its token limit (no eos), and the drafter is untrained (k = 3 rounds rarely accept, so speculative decoding
-is timed at its worst). MFU is the training step's FLOPs (counted by torch's FlopCounterMode over one step,
-backward included) per second over the card's dense bf16 peak; CPUs have no entry in PEAK_TFLOPS.
+is timed at its worst). MFU is the training step's FLOPs (lab/train/flops.py's formula, which
+tests/test_train.py holds to torch's FlopCounterMode; the counter itself refuses grouped-query SDPA on CUDA)
+per second over the card's dense bf16 peak; CPUs have no entry in PEAK_TFLOPS.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from lab.eval.reference import speculative_decode, target_decode
 from lab.target import capture
 from lab.target.generate import greedy_batch
 from lab.target.load import Target
+from lab.train.flops import ttt_step_flops
 from lab.train.loss import ttt_loss
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -148,13 +150,25 @@ def main() -> int:
             rows.append((name, shape, float("nan"), f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
 
     def generation():
-        # greedy generation: regeneration's hf loop, every row to its limit (eos -1 never comes)
+        # greedy generation: regeneration's hf loop, every row to its limit (eos -1 never comes), over each KV
+        # cache; the first batch apart (the static cache compiles and records its bucket's CUDA graph then, once
+        # a run), then the host syncs and the time of the same batch
         prompts = torch.randint(0, vocab, (gen_rows, prompt_len), generator=g).tolist()
-        greedy_batch(model, prompts[:2], [2, 2], -1)  # warm-up
-        syncs = host_syncs(device, lambda: greedy_batch(model, prompts[:2], [8, 8], -1))
-        seconds = _timed(device, lambda: greedy_batch(model, prompts, [new_tokens] * gen_rows, -1))
-        note = "" if syncs is None else f"{syncs / 8:.1f} host syncs / token"
-        return [("generation (hf)", f"{gen_rows} rows x {new_tokens} new", gen_rows * new_tokens / seconds, note)]
+        out = []
+        for cache in ("dynamic", "static"):
+
+            def batch(cache: str = cache) -> None:
+                greedy_batch(model, prompts, [new_tokens] * gen_rows, -1, cache)
+
+            first = _timed(device, batch)
+            syncs = host_syncs(device, batch)
+            seconds = _timed(device, batch)
+            note = f"first batch {first:.1f} s"
+            if syncs is not None:
+                note += f"; {syncs / new_tokens:.2f} host syncs / step"
+            tps = gen_rows * new_tokens / seconds
+            out.append((f"generation (hf, {cache} cache)", f"{gen_rows} rows x {new_tokens} new", tps, note))
+        return out
 
     def decoding():
         # the reference decoder: plain, then k = 3 with probes, on the same prompts
@@ -221,20 +235,25 @@ def main() -> int:
 
         from lab.drafter import ttt_attention
 
-        # the FLOPs of the attention's math (the portable kernel's plain matmuls: every kernel does this work);
-        # torch's counter refuses some SDPA calls (grouped-query heads on CUDA): then no MFU, the timings stay
-        flops, why = None, ""
+        # the step's FLOPs by formula (every kernel does the portable kernel's math), and torch's count beside it
+        # where the counter can count (it refused grouped-query SDPA on CUDA)
+        in_draft = torch.zeros(vocab, dtype=torch.bool, device=device)
+        in_draft[drafter.draft_token_ids()] = True
+        top = torch.stack([(final.float() @ target.lm_head_weight.float().T).argmax(-1) for final in batch[2]])
+        learnable = in_draft[top]  # the positions whose target argmax the draft vocabulary holds
+        flops = ttt_step_flops(drafter.spec, learnable.cpu(), 3)
+        counted = ""
         try:
             with patch.object(ttt_attention, "kernel_for", lambda _: ttt_attention.PORTABLE):
                 with FlopCounterMode(display=False) as counter:
                     step()
-            flops = counter.get_total_flops()
+            counted = f"; torch counts {counter.get_total_flops() / flops:.2f} of it"
         except AssertionError as exc:
-            why = f"no FLOP count ({str(exc)[:60]})"
+            counted = f"; torch counts none ({str(exc)[:60]})"
         peak = peak_flops(device)
         timed_steps = 3 if small else 10
         out = []
-        kernels = [None] if device.type != "cuda" else [None, ttt_attention.CUDA_EFFICIENT, ttt_attention.PORTABLE]
+        kernels = [None] if device.type != "cuda" else [None, ttt_attention.PORTABLE]
         for kernel in kernels:  # the device's choice first, then the others it could have made, side by side
             with patch.object(
                 ttt_attention, "kernel_for", (lambda _, k=kernel: k) if kernel else ttt_attention.kernel_for
@@ -248,12 +267,10 @@ def main() -> int:
                     out.append((f"training, TTT 3 ({name})", f"{train_b} x {train_t}", float("nan"), f"failed: {exc}"))
                     continue
             mfu = (
-                why
-                if flops is None
-                else f"MFU {100 * flops / seconds / peak:.1f} % ({flops / seconds / 1e12:.1f} TFLOP/s)"
+                f"MFU {100 * flops / seconds / peak:.1f} % ({flops / seconds / 1e12:.1f} TFLOP/s)"
                 if peak
                 else f"{flops / seconds / 1e12:.2f} TFLOP/s (no peak known for this device)"
-            )
+            ) + counted
             if syncs is not None:
                 mfu += f"; {syncs} host syncs / step"
             out.append((f"training, TTT 3 ({name})", f"{train_b} x {train_t}", train_b * train_t / seconds, mfu))

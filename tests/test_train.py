@@ -318,3 +318,44 @@ def test_lm_head_gemms_run_in_the_autocast_dtype():
         _SoftLabelCrossEntropy.apply(x, weight, labels, slots, row_weight, 128)[0].backward()
     assert mode.seen and {dtype for _, dtype in mode.seen} == {torch.bfloat16}, mode.seen
     assert x.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("spec", "b", "t", "length"),
+    [
+        ({}, 2, 24, 3),
+        ({"num_kv_heads": 1}, 3, 17, 2),
+        ({"num_layers": 2}, 2, 24, 3),
+        ({"draft_vocab_size": 50}, 2, 16, 4),
+    ],
+)
+def test_the_flop_formula_equals_torchs_counter(spec, b, t, length, monkeypatch):
+    """`ttt_step_flops` (what MFU divides by where the counter refuses grouped-query SDPA) equals torch's
+    FlopCounterMode over one TTT step and its backward with the portable attention kernel, exactly, once the
+    counter's two blind spots on a CPU are taken out of the formula: step 0's attention (CPU's flash SDPA, which the
+    counter has no formula for) and lm_head's weight gradient (an in-place `addmm_`, which it does not count)."""
+    from helpers import small_drafter
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lab.drafter import ttt_attention
+    from lab.train.flops import ttt_step_flops
+
+    drafter = small_drafter(**spec).train()
+    if "draft_vocab_size" in spec:
+        perturb(drafter, spec["draft_vocab_size"])  # a random draft vocabulary: some positions learn nothing
+    s, g = drafter.spec, torch.Generator().manual_seed(0)
+    ids = torch.randint(0, s.vocab_size, (b, t), generator=g)
+    aux = torch.randn(b, t, s.num_aux * s.target_hidden_size, generator=g)
+    final, lm_head = (
+        torch.randn(b, t, s.hidden_size, generator=g),
+        torch.randn(s.vocab_size, s.hidden_size, generator=g),
+    )
+    monkeypatch.setattr(ttt_attention, "kernel_for", lambda device: ttt_attention.PORTABLE)
+    with FlopCounterMode(display=False) as counter:
+        ttt_loss(drafter, ids, aux, final, lm_head, length, 0.8).loss.backward()
+    in_draft = torch.zeros(s.vocab_size, dtype=torch.bool)
+    in_draft[drafter.draft_token_ids()] = True
+    learnable = in_draft[(final @ lm_head.T).argmax(-1)]
+    learned = sum(int(learnable[:, i + 1 :].sum()) for i in range(length))
+    unseen = s.num_layers * 14 * b * t * s.num_heads * s.head_dim * t + 2 * learned * s.hidden_size * s.draft_vocab_size
+    assert ttt_step_flops(s, learnable, length) - unseen == counter.get_total_flops()

@@ -3,8 +3,6 @@ a CUDA run (its branch run on the CPU under a check of every op, tests/cuda_bran
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from cuda_branch import _CudaOnly, cuda_branch
@@ -14,7 +12,7 @@ from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
 from lab.drafter import init_drafter
 from lab.drafter import ttt_attention as ttt_attention_module
-from lab.drafter.ttt_attention import CPU_FLASH, CUDA_EFFICIENT, PORTABLE, SDPA_JOINT, kernel_for, ttt_attention
+from lab.drafter.ttt_attention import CPU_FLASH, PORTABLE, SDPA_JOINT, kernel_for, ttt_attention
 from lab.eval.probes import DriftProbes, rollout_counts, shuffled_rollout_counts
 from lab.eval.reference import speculative_decode, target_decode
 from lab.train.loss import ttt_loss
@@ -54,24 +52,15 @@ def _run(kernel, tensors, future, layout):
     return out, grads
 
 
-@pytest.mark.parametrize("kernel", ["portable", "cuda-efficient", "sdpa-joint"])
+@pytest.mark.parametrize("kernel", ["portable", "sdpa-joint"])
 @pytest.mark.parametrize("layout", ["dense", "padded"])
 @pytest.mark.parametrize(("groups", "steps"), [(1, 0), (2, 0), (1, 2), (2, 3)])
 def test_every_kernel_equals_the_cpu_kernel(kernel, layout, groups, steps):
-    """The portable path and the CUDA path (its op emulated, its glue real: the bias aligned and padded log-sum-
-    exp) give CPU's fused kernel's output and gradients, over dense and padded row layouts, grouped-query heads
-    and diagonal steps."""
+    """The portable path and the CUDA path (one SDPA call over the joint keys) give CPU's fused kernel's output
+    and gradients, over dense and padded row layouts, grouped-query heads and diagonal steps."""
     tensors, future, lay = _case(layout, groups, steps)
     want, want_grads = _run(CPU_FLASH, tensors, future, lay)
-    chosen = {"portable": PORTABLE, "cuda-efficient": CUDA_EFFICIENT, "sdpa-joint": SDPA_JOINT}[kernel]
-    mode = _CudaOnly()
-    with mode if chosen is CUDA_EFFICIENT else contextlib.nullcontext():
-        got, got_grads = _run(chosen, tensors, future, lay)
-    if chosen is CUDA_EFFICIENT:
-        assert mode.emulated == {
-            "_scaled_dot_product_efficient_attention": 1,
-            "_scaled_dot_product_efficient_attention_backward": 1,
-        }
+    got, got_grads = _run({"portable": PORTABLE, "sdpa-joint": SDPA_JOINT}[kernel], tensors, future, lay)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

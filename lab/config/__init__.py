@@ -93,6 +93,12 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class KvCache(str, Enum):
+    auto = "auto"  # static on cuda, dynamic elsewhere
+    dynamic = "dynamic"  # transformers' DynamicCache; finished rows leave the batch (best on a CPU)
+    static = "static"  # a StaticCache padded to fixed buckets, the step in CUDA graphs on cuda
+
+
 class DType(str, Enum):
     auto = "auto"  # bfloat16 on cuda, float32 on cpu
     float32 = "float32"
@@ -336,6 +342,10 @@ class Config:
     device: Device = Device.auto
     # the target's precision; the drafter keeps float32 weights and computes in it under autocast
     dtype: DType = DType.auto
+    # the target's KV cache where it steps token by token in batches (regeneration with data.generator=hf):
+    # static, captured in CUDA graphs, is many times faster on a GPU; both give the same tokens, so, like
+    # device, not part of what a run is (lab/target/static_decode.py)
+    kv_cache: KvCache = KvCache.auto
     # the GPUs `lab sweep` / `lab ablate` place their workers on (indexes among those this process sees):
     # worker i on gpus[i mod len]; None: every GPU torch sees. Like device, not part of what a run is.
     gpus: list[int] | None = None

@@ -71,10 +71,10 @@ def _changed(value: Any, default: Any) -> Any:
 
 def config_hash(cfg: DictConfig | dict) -> str:
     """Identity of what a run computes: the values that differ from the schema's defaults (not where the run
-    is tracked, how it is labelled, on which device or GPUs or with how many threads it computes, how often it saves
-    progress or whether it may reuse a drafter trained alike), and the hash scheme."""
+    is tracked, how it is labelled, on which device or GPUs, with how many threads or which KV cache it computes,
+    how often it saves progress or whether it may reuse a drafter trained alike), and the hash scheme."""
     data = to_container(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
-    for key in ("tracking", "study", "arm", "cache_dir", "threads", "device", "gpus"):
+    for key in ("tracking", "study", "arm", "cache_dir", "threads", "device", "gpus", "kv_cache"):
         data.pop(key, None)
     for key in ("checkpoint_every", "reuse"):
         data.get("train", {}).pop(key, None)

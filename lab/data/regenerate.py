@@ -119,12 +119,14 @@ def regenerate(
     dtype: str = "auto",
     chunk_size: int = CHUNK_CONVERSATIONS,
     splits: tuple[int, ...] = (),
+    kv_cache: str = "auto",
 ) -> RegenResult:
     """`conversations` (same ids, same order) with every assistant turn the target's greedy answer, cut as the
     module docstring says; from the cache when the entry is complete. No chunk straddles an index in `splits`
     (where one selection ends and the next begins), so each selection's chunks are the same whatever follows
     it. `dtype` is vLLM's (the hf backend runs the loaded model as it is, and the key records that model's
-    dtype instead)."""
+    dtype instead); `kv_cache` is the hf backend's, which the key leaves out (both caches give the same
+    tokens)."""
     conversations = list(conversations)
     backend = resolve_backend(backend)
     gen_dtype = resolve_dtype(dtype) if backend == "vllm" else str(target.model.dtype).removeprefix("torch.")
@@ -149,7 +151,7 @@ def regenerate(
             if not hit:
                 manifest = _build(
                     target, chunks, names, chat, path, key, manifest, run, max_new_tokens, seq_len, backend,
-                    gen_dtype, threads, progress, pool=chunk_size,
+                    gen_dtype, threads, progress, pool=chunk_size, kv_cache=kv_cache,
                 )  # fmt: skip
     parts = [manifest["parts"][name] for name in names]
     records = [r for part in parts for r in _read_part(path, part)]
@@ -207,7 +209,7 @@ def _read_part(path: Path, part: dict) -> list[dict]:
 
 def _build(
     target, chunks, names, chat, path, key, manifest, run, max_new_tokens, seq_len, backend, dtype, threads, progress,
-    pool,
+    pool, kv_cache,
 ) -> dict:  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     manifest = manifest or {
@@ -242,7 +244,13 @@ def _build(
     with (
         tqdm(total=turns, desc="regenerate", unit="turn", disable=not progress) as bar,
         open_generator(
-            target, backend, threads=threads, progress=progress, dtype=dtype, log_path=path.with_suffix(".log")
+            target,
+            backend,
+            threads=threads,
+            progress=progress,
+            dtype=dtype,
+            log_path=path.with_suffix(".log"),
+            kv_cache=kv_cache,
         ) as generate,
     ):
         last = time.perf_counter()  # the engine's start-up is no part's time

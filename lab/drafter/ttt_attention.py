@@ -6,13 +6,14 @@ kernel that also returns the log-sum-exp; the diagonal joins it through that log
 hands the kernel the joint output and log-sum-exp, which is all a flash-style backward needs for the joint
 softmax's gradient.
 
-Which kernel computes the causal part is chosen in one place, `kernel_for`, from the tensors' device:
+Which kernel computes it is chosen in one place, `kernel_for`, from the tensors' device:
 - CPU: ATen's fused flash attention for CPU (`_scaled_dot_product_flash_attention_for_cpu`);
-- CUDA: the memory-efficient attention (`_scaled_dot_product_efficient_attention`), the one fused CUDA kernel
-  that takes an arbitrary additive mask and returns the log-sum-exp with a backward that accepts both;
+- CUDA: `SDPA_JOINT`, the whole attention as one public `F.scaled_dot_product_attention` call under autograd's
+  own backward (`joint_sdpa`). The private memory-efficient op with the hand-joined log-sum-exp (the kernel
+  once called `cuda-efficient`) gave non-finite bfloat16 gradients in training on an H200 and was removed;
 - anything else: `PORTABLE`, the same contract in plain tensor math (a [B, heads, n, T] score matrix).
-The three compute the same function, forward and gradients, so that what a run learns does not depend on
-the device it ran on beyond float rounding.
+All compute the same function, forward and gradients, so that what a run learns does not depend on the device
+it ran on beyond float rounding.
 """
 
 from __future__ import annotations
@@ -36,12 +37,9 @@ class Kernel(Protocol):
     def backward(self, grad, q, k, v, out, lse, saved, scale: float): ...  # noqa: ANN001, ANN201
 
 
-def _additive_mask(future: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
-    """[B, 1, n, T] with -inf where a query may not look; its rows padded to a multiple of `align` elements
-    in memory (a view of the first T columns), as the CUDA kernel wants its bias rows aligned."""
-    b, n, t = future.shape
-    width = -(-t // align) * align
-    mask = torch.zeros(b, 1, n, width, dtype=dtype, device=future.device)[..., :t]
+def _additive_mask(future: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, n, T] with -inf where a query may not look."""
+    mask = torch.zeros(*future.shape[:1], 1, *future.shape[1:], dtype=dtype, device=future.device)
     return mask.masked_fill_(future[:, None], float("-inf"))
 
 
@@ -59,27 +57,6 @@ class _CpuFlash:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, False, attn_mask=saved, scale=scale
         )
-
-
-class _CudaEfficient:
-    name = "cuda-efficient"
-    ALIGN = 16  # the kernel reads its bias rows in aligned chunks (SDPA pads masks to 16 elements too)
-
-    def forward(self, q, k, v, future, scale):  # noqa: ANN001, D102
-        bias = _additive_mask(future, q.dtype, self.ALIGN).expand(-1, q.shape[1], -1, -1)
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, 0.0, False, scale=scale
-        )
-        # the kernel pads the log-sum-exp's query dimension (to a multiple of 32): keep the n real rows
-        return out, lse[..., : q.shape[2]].float(), (bias, seed, offset, lse.shape[-1])
-
-    def backward(self, grad, q, k, v, out, lse, saved, scale):  # noqa: ANN001, D102
-        bias, seed, offset, width = saved
-        lse = torch.nn.functional.pad(lse, (0, width - lse.shape[-1]))
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=scale
-        )
-        return dq, dk, dv
 
 
 class _Portable:
@@ -117,7 +94,7 @@ class _SdpaJoint:
     name = "sdpa-joint"
 
 
-CPU_FLASH, CUDA_EFFICIENT, PORTABLE, SDPA_JOINT = _CpuFlash(), _CudaEfficient(), _Portable(), _SdpaJoint()
+CPU_FLASH, PORTABLE, SDPA_JOINT = _CpuFlash(), _Portable(), _SdpaJoint()
 
 
 def kernel_for(device: torch.device) -> Kernel | _SdpaJoint:

@@ -8,10 +8,14 @@ Two backends behind one object, `Greedy`, with two ways in:
   full by refilling it (regeneration's rolling pool of conversations).
 
 - `hf`: the already-loaded transformers model. Prompts are sorted by length and left-padded into batches of
-  `HF_BATCH`, then decoded by a hand-written KV-cache greedy loop that drops finished rows from the batch
-  (and the cache): on a CPU the cost of a step grows with the rows in it, and answers end at very different
-  lengths. It is deterministic (argmax, fixed shapes for the same inputs). Its `stream` answers every
-  request it holds before it returns: a batch cannot take new rows halfway.
+  `HF_BATCH` (on a GPU, as many as its memory holds), then decoded by a hand-written KV-cache greedy loop
+  (`greedy_batch`) over one of two caches (`kv_cache`): `dynamic`, transformers' `DynamicCache`, dropping
+  finished rows from the batch and the cache (on a CPU the cost of a step grows with the rows in it, and
+  answers end at very different lengths); or `static`, a `StaticCache` padded to fixed buckets with the step
+  captured in CUDA graphs on a GPU (lab/target/static_decode.py), where a step costs about the same whatever
+  its rows. `auto` is static on CUDA. Both give the same tokens (tested on the CPU). It is deterministic
+  (argmax, fixed shapes for the same inputs). Its `stream` answers every request it holds before it returns:
+  a batch cannot take new rows halfway.
 - `vllm`: ONE worker process (`python -m lab.target.vllm_generate`) for the life of the context, so the
   engine starts once (tens of seconds) however many batches follow. This module never imports vllm: only
   worker modules, each in its own process, do (the project's rule; vLLM's CPU engine binds threads and
@@ -40,8 +44,10 @@ from tqdm.auto import tqdm
 
 from lab.config.shape import vllm_engine_options
 from lab.fsutil import last_error_line
+from lab.target import static_decode
 
 BACKENDS = ("auto", "hf", "vllm")
+KV_CACHES = ("auto", "dynamic", "static")  # the hf loop's KV cache (the config's `kv_cache`)
 HF_BATCH = 16  # rows of a batch on a CPU
 HF_BATCH_MAX = 512  # on a GPU: rows of a batch at the most (`hf_batch_rows`)
 VLLM_MAX_NUM_SEQS = 64
@@ -110,6 +116,16 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def resolve_kv_cache(name: str, device: torch.device) -> str:
+    """`dynamic` or `static`: `auto` is static on CUDA (the step captured in CUDA graphs), else dynamic."""
+    name = getattr(name, "value", name)  # a config enum (lab.config.KvCache) as well as a string
+    if name not in KV_CACHES:
+        raise ValueError(f"unknown KV cache '{name}' (expected one of {', '.join(KV_CACHES)})")
+    if name == "auto":
+        return "static" if device.type == "cuda" else "dynamic"
+    return name
+
+
 def resolve_dtype(dtype: str) -> str:
     """vLLM's dtype: `auto` is bfloat16 on a GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else
     float32. Measured on a 2-core AVX2 machine (benchmarks/regenerate_speed.py, SmolLM2-135M): vLLM ran about
@@ -134,12 +150,13 @@ def open_generator(
     dtype: str = "auto",
     log_path: str | Path | None = None,
     kv_cache_gib: float = VLLM_KV_CACHE_GIB,
+    kv_cache: str = "auto",
 ) -> Iterator[Greedy]:
     """A `Greedy` generator over `target` (lab.target.Target) for the body of the context. `dtype` and
     `kv_cache_gib` are vLLM's (hf uses the loaded model as it is, on its device and in its dtype;
-    `dtype="auto"`: see resolve_dtype); `progress` shows a bar over each call's prompts (hf only: vLLM's would
-    go to its log). The vLLM worker's output goes to `log_path`
-    (default: a temp file, removed after a clean run), which a RuntimeError from a failed worker names."""
+    `dtype="auto"`: see resolve_dtype), `kv_cache` is hf's (`resolve_kv_cache`); `progress` shows a bar over each
+    call's prompts (hf only: vLLM's would go to its log). The vLLM worker's output goes to `log_path` (default: a
+    temp file, removed after a clean run), which a RuntimeError from a failed worker names."""
     backend = resolve_backend(backend)
     eos = target.tokenizer.eos_token_id
     if eos is None:
@@ -150,9 +167,10 @@ def open_generator(
         previous = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
+        cache = resolve_kv_cache(kv_cache, target.device)
 
         def run(prompts: list[list[int]], limits: list[int]) -> list[list[int]]:
-            return _hf_generate(target.model, prompts, limits, eos, progress)
+            return _hf_generate(target.model, prompts, limits, eos, progress, cache)
 
         def step(requests: Requests) -> dict[int, list[int]]:  # answers them all: nothing is left running
             keys = list(requests)
@@ -160,7 +178,7 @@ def open_generator(
 
         try:
             # on a CPU, no preference: regeneration's pool stays at its chunk size
-            rows = (lambda n: _batch_rows(target.model, n)) if target.device.type == "cuda" else (lambda n: 0)
+            rows = (lambda n: _batch_rows(target.model, n, cache)) if target.device.type == "cuda" else (lambda n: 0)
             yield Greedy(run, step, eos, max_positions, rows)
         finally:
             torch.set_num_threads(previous)
@@ -245,33 +263,49 @@ def hf_batch_rows(config: Any, dtype: torch.dtype, length: int, free_bytes: int 
     return max(HF_BATCH, min(HF_BATCH_MAX, free_bytes // 2 // per_row))
 
 
-def _batch_rows(model: Any, length: int) -> int:
-    """`hf_batch_rows` for `model` on its device (the free memory read where it is a GPU)."""
+def _batch_rows(model: Any, length: int, cache: str = "dynamic") -> int:
+    """`hf_batch_rows` for `model` on its device (the free memory read where it is a GPU); with a static cache,
+    for its bucket's length and rounded down to a bucket of rows, so that only a last batch is padded."""
     weight = model.get_output_embeddings().weight
     free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
-    return hf_batch_rows(model.config, weight.dtype, length, free)
+    if cache != "static":
+        return hf_batch_rows(model.config, weight.dtype, length, free)
+    rows = hf_batch_rows(model.config, weight.dtype, static_decode.length_bucket(length), free)
+    return static_decode.rows_at_most(rows)
 
 
-def _hf_generate(model: Any, prompts: list[list[int]], limits: list[int], eos: int, progress: bool) -> list[list[int]]:
+def _hf_generate(
+    model: Any, prompts: list[list[int]], limits: list[int], eos: int, progress: bool, cache: str = "dynamic"
+) -> list[list[int]]:
     """Batches of similar length (less padding), longest first, so a memory or length problem shows at once;
     as many rows a batch as `hf_batch_rows` says the device holds."""
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outs: list[list[int]] = [[] for _ in prompts]
-    batch = _batch_rows(model, max((len(p) + n for p, n in zip(prompts, limits, strict=True)), default=1))
+    batch = _batch_rows(model, max((len(p) + n for p, n in zip(prompts, limits, strict=True)), default=1), cache)
     with tqdm(total=len(prompts), desc="greedy (hf)", unit="prompt", leave=False, disable=not progress) as bar:
         for start in range(0, len(order), batch):
             rows = order[start : start + batch]
-            done = greedy_batch(model, [prompts[i] for i in rows], [limits[i] for i in rows], eos)
+            done = greedy_batch(model, [prompts[i] for i in rows], [limits[i] for i in rows], eos, cache)
             for i, out in zip(rows, done, strict=True):
                 outs[i] = out
             bar.update(len(rows))
     return outs
 
 
-@torch.inference_mode()
-def greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: int) -> list[list[int]]:
+def greedy_batch(
+    model: Any, prompts: list[list[int]], limits: list[int], eos: int, kv_cache: str = "auto"
+) -> list[list[int]]:
     """Greedy continuations of left-padded `prompts` (row i stops at eos, excluded, or after limits[i] tokens),
-    one forward per step over the rows still running."""
+    one forward per step; over a static cache in CUDA graphs (`kv_cache` static, or auto on CUDA:
+    lab/target/static_decode.py), else a dynamic one holding only the rows still running."""
+    device = model.get_output_embeddings().weight.device
+    if resolve_kv_cache(kv_cache, device) == "static":
+        return static_decode.static_greedy_batch(model, prompts, limits, eos)
+    return _dynamic_greedy_batch(model, prompts, limits, eos)
+
+
+@torch.inference_mode()
+def _dynamic_greedy_batch(model: Any, prompts: list[list[int]], limits: list[int], eos: int) -> list[list[int]]:
     from transformers import DynamicCache
 
     n, width = len(prompts), max(len(p) for p in prompts)
