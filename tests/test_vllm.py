@@ -176,8 +176,18 @@ def test_vllm_equals_the_reference_on_a_structured_mla_pair_that_accepts_in_part
 @pytest.mark.parametrize("toggle", ["fc_norm", "norm_output"])
 def test_vllm_honours_each_eagle31_toggle(toggle, micro_target, trained_eagle31, suite, vllm_metrics, tmp_path):
     """The same trained weights with one toggle switched off: vLLM's AL moves, to where the reference
-    decoder running the switched drafter lands."""
+    decoder running the switched drafter lands.
+
+    The switch must move the AL far more than vLLM's distance from the reference, on every machine. Switching
+    off post-norm feedback does (AL 2.01 -> 2.74 here, 2.72 at one thread); switching off the per-layer norm
+    of the trained weights moved it by 0.013 (2.006 -> 1.994), a couple of rounds, which another machine's
+    training may not reproduce. So for fc_norm the drafter is first rewritten into an equal one whose first
+    captured layer enters with its norm's weight divided by FC_SCALE and its fc block multiplied by it: with
+    the norm on it computes what the trained drafter does (the same AL), with the norm off that layer dominates
+    fc by FC_SCALE (AL 2.006 -> 1.054 here)."""
     drafter, _ = trained_eagle31
+    if toggle == "fc_norm":
+        drafter = _rescaled_first_layer(drafter, FC_SCALE)
     ckpt = save_native(drafter, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     config[toggle] = False
@@ -196,6 +206,20 @@ def test_vllm_honours_each_eagle31_toggle(toggle, micro_target, trained_eagle31,
     assert reference_off != reference_on
     # vLLM follows the switch: closer to the switched reference than the gap the switch makes
     assert abs(off - reference_off) < abs(reference_on - reference_off) / 2, (on, off, reference_on, reference_off)
+
+
+FC_SCALE = 8.0
+
+
+@torch.no_grad()
+def _rescaled_first_layer(drafter: Eagle3Drafter, scale: float) -> Eagle3Drafter:
+    """A copy of an fc_norm=per_layer drafter computing the same function: the first captured layer's norm weight
+    divided by `scale` and its block of fc multiplied by it (equal up to rounding)."""
+    copy = Eagle3Drafter(drafter.spec)
+    copy.load_state_dict(drafter.state_dict())
+    copy.fc_norm[0].weight.div_(scale)
+    copy.fc.weight[:, : drafter.spec.target_hidden_size].mul_(scale)
+    return copy.eval()
 
 
 def test_plain_eagle3_checkpoint_loads_and_evaluates_unchanged(micro_target, trained_eagle3, suite, tmp_path):
