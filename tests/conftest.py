@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import TEST_THREADS, stated_threads
@@ -105,6 +107,53 @@ def trained_eagle31(micro_overrides, micro_target, micro_hidden):
     with stated_threads():
         result = train(drafter, micro_hidden, micro_target.lm_head_weight, cfg.train, seed=0, progress=False)
     return drafter, result
+
+
+@dataclass
+class MicroStudy:
+    """A finished micro ablation: its store, the overrides it ran with, the engine's result and its report."""
+
+    uri: str
+    extra: list[str]
+    experiment: Any  # lab.sweep.experiment.Experiment
+    result: Any  # lab.sweep.engine.SweepResult
+    report: Any  # lab.report.Report
+
+
+TINY_EXPERIMENT = """\
+description: EAGLE-3 vs EAGLE 3.1 on the micro target
+baseline: e3
+seeds: [0, 1]
+overrides: [train.steps=6, eval.num_prompts=2]
+arms:
+  e3: {label: EAGLE-3, overrides: [drafter=eagle3]}
+  e31: {label: EAGLE 3.1, overrides: [drafter=eagle31]}
+"""
+
+
+@pytest.fixture(scope="session")
+def micro_study(micro_overrides, micro_target, workdir) -> MicroStudy:
+    """experiments/tiny.yaml (2 arms x 2 seeds, 6 training steps, 2 prompts) run as `lab ablate` runs an
+    experiment: its description, the grid study on two workers, then its report and the UI's descriptions.
+    Shared by tests/test_ablate.py (the engine) and tests/test_ui.py (the study in a browser). micro_target: the
+    session's target, built under the stated threads before the study's warm-up (at every core: its workers split
+    them) could build it."""
+    from lab.cli.report import describe_study, load_study, write_report
+    from lab.sweep import experiment
+    from lab.sweep.engine import launch
+
+    folder = workdir / "micro_study"
+    folder.mkdir()
+    (folder / "tiny.yaml").write_text(TINY_EXPERIMENT)
+    exp = experiment.load("tiny", folder)
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    extra = [o for o in micro_overrides if not o.startswith(("threads=", "tracking."))]  # two workers, a thread each
+    extra += [f"tracking.uri={uri}", f"tracking.artifact_root={folder / 'art'}"]
+    describe_study(exp, extra, None)
+    result = launch(exp.as_sweep(extra), extra, ["ablate", "worker", "experiment=tiny"], workers=2, progress=False)
+    study = load_study(exp, uri, result.parent_run_id)
+    report = write_report(exp, extra, study, str(folder / "report"), None)
+    return MicroStudy(uri, extra, exp, result, report)
 
 
 ROOT = Path(__file__).resolve().parent.parent

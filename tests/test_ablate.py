@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lab import report, track
+from lab import track
 from lab.config import ConfigError
 from lab.config.composition import compose
 from lab.sweep import experiment
@@ -48,19 +48,8 @@ def test_bad_experiments_fail_with_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, micro_target, tmp_path):
-    # micro_target: the session's target, built under the stated threads, before the study's warm-up (which runs at
-    # all cores here: its workers split them) could build it
-    (tmp_path / "tiny.yaml").write_text(
-        "baseline: e3\nseeds: [0, 1]\noverrides: [train.steps=6, eval.num_prompts=2]\n"
-        "arms:\n  e3: {overrides: [drafter=eagle3]}\n  e31: {overrides: [drafter=eagle31]}\n"
-    )
-    exp = experiment.load("tiny", tmp_path)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    extra = [o for o in micro_overrides if not o.startswith("threads=")]  # two workers of one thread each
-    extra += [f"tracking.uri={uri}", f"tracking.artifact_root={tmp_path / 'art'}"]
-    sweep = exp.as_sweep(extra)
-    first = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], workers=2, progress=False)
+def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_study):
+    first, uri, extra = micro_study.result, micro_study.uri, micro_study.extra
     assert first.ran == 4 and first.counts["complete"] == 4
     children = track.child_runs(uri, first.parent_run_id, status="FINISHED")
     assert sorted((r.data.tags["arm"], r.data.tags["seed"]) for r in children) == [
@@ -70,14 +59,14 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_overrides, micro_
         ("e31", "1"),
     ]
     assert all(r.data.tags["study"] == "tiny" and "eval/in_dist/ref/k3/al" in r.data.metrics for r in children)
-    study = report.load(uri, first.parent_run_id, "tiny", "", [("e3", "E3"), ("e31", "E31")], "e3", exp.seeds)
-    rep = report.write(study, [], tmp_path / "report", "lab report experiment=tiny")
+    rep = micro_study.report
     table = rep.main_table()
-    assert table.count("| E31 | 2 |") == 1 and "| E3 | 2 |" in table  # n = 2 seeds per arm
+    assert table.count("| EAGLE 3.1 | 2 |") == 1 and "| EAGLE-3 | 2 |" in table  # n = 2 seeds per arm
     assert "× [" in table  # the ratio to the baseline, with its paired bootstrap interval
     assert "over 2 prompts × 2 seeds per cell" in table  # eval.num_prompts=2, seeds 0 and 1
     assert [t.name for t in rep.tables] == ["al", "acceptance", "drift", "rollout"]
     assert {f.name for f in rep.figures} >= {"al_vs_depth", "accept_rate", "sink_self_mass", "norm_growth"}
+    sweep = micro_study.experiment.as_sweep(extra)
     again = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
     assert again.parent_run_id == first.parent_run_id
     assert again.ran == 0 and again.counts["complete"] == 4

@@ -77,7 +77,7 @@ def store(recorded, tmp_path_factory) -> dict[str, Any]:  # noqa: F811
 # verb's checks (so a check cannot pass for a case by raising Valid).
 WORK: dict[str, list[str]] = {
     "run": ["lab.pipeline.run"],
-    "ablate": ["lab.sweep.engine.launch"],
+    "ablate": ["lab.cli.report.describe_study", "lab.sweep.engine.launch"],
     "ablate worker": ["lab.sweep.engine.join"],
     "sweep": ["lab.sweep.engine.launch"],
     "sweep worker": ["lab.sweep.engine.join"],

@@ -200,6 +200,55 @@ def test_report_tables_figures_and_provenance(store, tmp_path, capsys):
     assert "Ratios: an arm's mean over seeds divided by EAGLE-3's" in report and "**1.195× [1.18" in report
 
 
+def test_report_describes_the_study_for_the_mlflow_ui(store, tmp_path, capsys):
+    """What `lab ui` shows (lab/report/notes.py): the experiment's description says what the arms compare and
+    how to run and report it again; the parent run's holds the main table and links to the figures and says the
+    study is not finished (eagle31's seed 1 failed); each finished child run's says its arm, seed and AL at k=3
+    in one line; the study's saved view (its runs, sorted by those lines) is the page `lab ui` opens."""
+    from mlflow.tracking import MlflowClient
+
+    overrides, parent_id = store
+    _report(store, tmp_path / "a", capsys)
+    uri = overrides[0].split("=", 1)[1]
+    parent = track.get_run(uri, parent_id)
+    exp = MlflowClient(uri).get_experiment(parent.info.experiment_id)
+    note = parent.data.tags[track.NOTE]
+    assert note.startswith(
+        "drift_2x2: 7 of 8 runs done (the table covers those); AL at k=3 (in_dist): EAGLE-3 2.050, + FC norm "
+        "2.450, + post-norm feedback 1.850, EAGLE 3.1 2.600.\n"
+    )
+    assert (tmp_path / "a" / "tables" / "al.md").read_text() in note
+    page = f"#/experiments/{exp.experiment_id}/runs/{parent_id}/artifacts/report"
+    assert f"[al_vs_depth]({page}/figures/al_vs_depth.png)" in note and f"({page}/report.md)" in note
+    assert f"`lab report experiment=drift_2x2 {' '.join(overrides)}`" in note
+    children = track.child_runs(uri, parent_id)
+    said = sorted(note for r in children if (note := r.data.tags.get(track.NOTE)))
+    assert len(children) == 9 and said == [  # the failed run and the pruned one (retried) say nothing
+        "+ FC norm: AL 2.400 at k=3, seed 0; AL on in_dist",
+        "+ FC norm: AL 2.500 at k=3, seed 1; AL on in_dist",
+        "+ post-norm feedback: AL 1.800 at k=3, seed 0; AL on in_dist",
+        "+ post-norm feedback: AL 1.900 at k=3, seed 1; AL on in_dist",
+        "EAGLE 3.1: AL 2.600 at k=3, seed 0; AL on in_dist",
+        "EAGLE-3: AL 2.000 at k=3, seed 0; AL on in_dist",
+        "EAGLE-3: AL 2.100 at k=3, seed 1; AL on in_dist",
+    ]
+    described = exp.tags[track.NOTE]
+    assert described.startswith("**drift_2x2**: EAGLE-3 vs +fc_norm vs +norm_output vs EAGLE 3.1 (2 x 2 toggles)\n")
+    assert "| + FC norm (`fc_norm`) | FC norm per captured layer, raw feedback |" in described
+    assert "| EAGLE 3.1 (`eagle31`) | FC norm per captured layer, post-norm feedback |" in described
+    assert (
+        "- Seeds 0, 1, 2; profile none" in described and f"`lab ablate experiment=drift_2x2 {overrides[0]}" in described
+    )
+    view = json.loads(json.loads(exp.tags["mlflow.sharedViewState.drift_2x2-test"])["state"])
+    assert view["orderByKey"] == "tags.`mlflow.note.content`" and view["selectedColumns"][:2] == [
+        "attributes.`Description`",
+        "metrics.`eval/in_dist/ref/k3/al`",
+    ]
+    assert (
+        track.study_page(uri, "drift_2x2") == f"#/experiments/{exp.experiment_id}/runs?viewStateShareKey=drift_2x2-test"
+    )
+
+
 def test_report_is_deterministic(store, tmp_path, capsys):
     _report(store, tmp_path / "a", capsys)
     _report(store, tmp_path / "b", capsys)

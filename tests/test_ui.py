@@ -1,8 +1,9 @@
-"""`lab ui` in a real browser: over an MLflow store written by `lab.track` (a study's experiment, its
-parent run and one child run with an eval metric), the `lab ui` subprocess serves the MLflow UI, and
-headless Chromium shows the study's experiment with its parent run, then the child run with the
-metric's key and value. Kept in test-artifacts/ for a look or a post-mortem: a screenshot and the
-page source of both pages, and the server's log.
+"""`lab ui` in a real browser, after a micro study (`micro_study` in tests/conftest.py: two arms x two seeds run
+as `lab ablate` runs an experiment, then its report): from the URL `lab ui experiment=tiny` prints, headless
+Chromium finds the study's description, each arm's AL at k = 3, the parent run's table and a figure, each
+within three clicks. Kept in test-artifacts/ for a look or a post-mortem: a screenshot and the page source of
+each page, and the server's log. Without a browser: `lab ui` for a study the store lacks is one line naming
+the studies there are, and MLflow's telemetry is off in lab's processes unless the user turns it on.
 
 Needs Debian's chromium + chromium-driver (scripts/install_browser.sh) and selenium: skipped without
 them, failed instead when LAB_REQUIRE_BROWSER=1 (CI)."""
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,8 +40,6 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 STUDY = "ui-study"
 PARENT = "sweep-ui"
 CHILD = "arm-a-s0"
-METRIC = "eval/in_dist/ref/k3/al"
-VALUE = 2.345
 
 SERVER_TIMEOUT = 120  # uvicorn imports the whole MLflow server app: tens of seconds on two slow cores
 PAGE_TIMEOUT = 60  # the UI fetches the experiment and runs after its bundle loads
@@ -104,13 +104,14 @@ def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[WebDriv
 
 @pytest.fixture
 def store(tmp_path: Path) -> Store:
-    """A study as the sweep engine leaves it: an experiment, a parent run, a child run with a metric."""
+    """A study as the sweep engine starts it: an experiment, a parent run, a child run (cheap: for the checks that
+    need no browser)."""
     uri = f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}"
     root = str(tmp_path / "mlruns" / "artifacts")
     tags = {"study": STUDY, "sweep": "ui"}
     with track.parent_run(uri, root, STUDY, PARENT, key="ui-test", tags=tags) as parent:
         with track.start_run(uri, root, STUDY, CHILD, {**tags, "arm": "a", "seed": 0}, parent.id) as child:
-            child.log_metrics({METRIC: VALUE})
+            pass
     assert [r.info.run_id for r in track.child_runs(uri, parent.id)] == [child.id]
     experiment_id = track.search_runs(uri, STUDY)[0].info.experiment_id
     return Store(uri, root, experiment_id, parent.id, child.id)
@@ -123,8 +124,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def ui(store: Store, tmp_path: Path) -> Iterator[str]:
-    """`lab ui` over the store, as a user starts it; its base URL once it answers 200."""
+def ui(micro_study, tmp_path: Path) -> Iterator[str]:
+    """`lab ui experiment=tiny` over the micro study's store, as a user starts it: the URL it prints, once the
+    server answers."""
     port = _free_port()
     ARTIFACTS.mkdir(exist_ok=True)
     for old in ARTIFACTS.glob("mlflow_ui_*"):  # a previous run's pages would mislead
@@ -133,19 +135,19 @@ def ui(store: Store, tmp_path: Path) -> Iterator[str]:
     env = {
         **os.environ,
         "MLFLOW_WORKERS": "1",  # one uvicorn worker answers in about half the time of the default four
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "true",
     }
-    cmd = [sys.executable, "-m", "lab.cli", "ui", "--port", str(port), *store.overrides()]
+    store = [o for o in micro_study.extra if o.startswith("tracking.")]
+    cmd = [sys.executable, "-m", "lab.cli", "ui", "experiment=tiny", "--no-browser", "--port", str(port), *store]
     with open(log_path, "w") as log:
         # its own process group: `lab ui` execs mlflow, which forks uvicorn workers; all must go at the end
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=env, start_new_session=True
         )
-    url = f"http://127.0.0.1:{port}/"
     try:
-        _wait_for_http(url, proc, log_path)
-        yield url
+        _wait_for_http(f"http://127.0.0.1:{port}/", proc, log_path)
+        printed = re.search(r"MLflow UI on (\S+)", log_path.read_text())
+        assert printed, f"`lab ui` printed no URL:\n{log_path.read_text()[-3000:]}"
+        yield printed.group(1)
     finally:
         _stop(proc)
 
@@ -186,6 +188,7 @@ def _wait(driver: WebDriver, name: str, what: str, ready: Callable[[WebDriver], 
     """What `ready` returns once it is truthy; else keep the page (NAME.png, NAME.html) and fail."""
     from selenium.common.exceptions import (
         ElementClickInterceptedException,
+        ElementNotInteractableException,
         StaleElementReferenceException,
         TimeoutException,
         WebDriverException,
@@ -193,7 +196,7 @@ def _wait(driver: WebDriver, name: str, what: str, ready: Callable[[WebDriver], 
     from selenium.webdriver.support.ui import WebDriverWait
 
     # the UI re-renders as its requests come back: an element found a moment ago may be gone or covered
-    ignored = [StaleElementReferenceException, ElementClickInterceptedException]
+    ignored = [StaleElementReferenceException, ElementClickInterceptedException, ElementNotInteractableException]
     try:
         return WebDriverWait(driver, PAGE_TIMEOUT, ignored_exceptions=ignored).until(ready)
     except WebDriverException as exc:  # a timeout, or the browser itself failing (e.g. a crashed tab)
@@ -212,43 +215,107 @@ def _body_shows(*texts: str) -> Callable[[WebDriver], bool]:
 
 
 def _clicked(xpath: str) -> Callable[[WebDriver], bool]:
-    """Clicks the element once: a failed attempt (not there yet, re-rendered, covered) raises and is retried."""
+    """Clicks the element once, scrolled into view: a failed attempt (not there yet, re-rendered, covered) raises
+    and is retried."""
 
     def ready(driver: WebDriver) -> bool:
-        driver.find_element("xpath", xpath).click()
+        element = driver.find_element("xpath", xpath)
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+        element.click()
         return True
 
     return ready
 
 
-def _metric_row(key: str) -> Callable[[WebDriver], list[str] | None]:
-    """The cell texts of the row of `key` in the run page's metrics table, once it is rendered."""
+def _shown(xpath: str, check: Callable[[str], bool] = bool) -> Callable[[WebDriver], str | None]:
+    """The text of the element at `xpath`, scrolled into view, once `check` accepts it."""
 
-    def ready(driver: WebDriver) -> list[str] | None:
-        row = driver.find_element("xpath", f"//div[@role='row'][.//a[normalize-space()='{key}']]")
-        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", row)
-        cells = [c.text for c in row.find_elements("xpath", "./div[@role='cell']")]
-        return cells if len(cells) >= 2 and all(cells) else None
+    def ready(driver: WebDriver) -> str | None:
+        element = driver.find_element("xpath", xpath)
+        driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", element)
+        return element.text if check(element.text) else None
 
     return ready
 
 
+def _image_loaded(name: str) -> Callable[[WebDriver], bool]:
+    """Whether the page shows the image `name` (drawn: its natural width is known once it has loaded)."""
+
+    def ready(driver: WebDriver) -> bool:
+        img = driver.find_element("xpath", f"//img[contains(@alt, '{name}')]")  # the artifact view's: a blob URL
+        return bool(driver.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", img))
+
+    return ready
+
+
+NOTE = "//div[@data-testid='note-editor-preview-content']"  # a rendered description (mlflow.note.content)
+
+
 @pytest.mark.slow
-def test_ui_shows_the_study_and_its_child_runs_metric(browser: WebDriver, ui: str, store: Store) -> None:
-    # A plain link, as the UI's experiment list makes: MLflow 3 opens a new browser profile on its GenAI overview,
-    # which has no runs table, unless the landing page (lab/track/ui_app.py) chose the training view.
-    name = "mlflow_ui_experiment"
-    browser.get(f"{ui}#/experiments/{store.experiment_id}")
-    _wait(browser, name, f"experiment {STUDY} with run {PARENT}", _body_shows(STUDY, PARENT))
-    # The child is folded under its parent (tag mlflow.parentRunId); unfolding it proves the nesting.
-    expand = f"//a[normalize-space()='{PARENT}']/ancestor::*[@role='gridcell'][1]//button"
-    _wait(browser, name, f"the expand button of run {PARENT}", _clicked(expand))
-    _wait(browser, name, f"child run {CHILD} under {PARENT}", _body_shows(CHILD))
+def test_ui_walks_the_study_from_the_url_it_prints(browser: WebDriver, ui: str, micro_study) -> None:
+    exp, uri, parent_id = micro_study.experiment, micro_study.uri, micro_study.result.parent_run_id
+    labels = {a.name: a.label for a in exp.arms}
+    children = track.child_runs(uri, parent_id, status="FINISHED")
+    # each arm's AL at k=3, as each child run's description starts (the runs table shows its first ~45 characters)
+    al_lines = sorted(
+        f"{labels[r.data.tags['arm']]}: AL {r.data.metrics['eval/in_dist/ref/k3/al']:.3f} at k=3, seed "
+        f"{r.data.tags['seed']}"
+        for r in children
+    )
+    assert len(al_lines) == 4
+
+    # the URL `lab ui` printed: the study's runs in its saved view, under the start of its description
+    name = "mlflow_ui_study"
+    browser.get(ui)
+    _wait(browser, name, "the study's description", _body_shows(f"tiny: {exp.description}"))
+    _wait(browser, name, "each arm's AL at k=3 in the runs' descriptions", _body_shows(*al_lines))
+    # click 1: the description unfolds: the arms and their toggles in words
+    _wait(browser, name, "the description's unfold button", _clicked(EXPAND_DESCRIPTION))
+    _wait(browser, name, "the arms' toggles", _body_shows("what it sets", "FC norm per captured layer, post-norm"))
     _keep(browser, name)
 
-    name = "mlflow_ui_run"
-    browser.get(f"{ui}#/experiments/{store.experiment_id}/runs/{store.child_id}")
-    cells = _wait(browser, name, f"metric {METRIC} of run {CHILD}", _metric_row(METRIC))
+    # click 1: the parent run; click 2: its whole description, the report's main table
+    name = "mlflow_ui_parent"
+    _wait(browser, name, "the parent run's link", _clicked(f"//a[normalize-space()='sweep-{exp.name}']"))
+    _wait(browser, name, "the parent run's description", _shown(NOTE))
+    with contextlib.suppress(Exception):  # "Show more" is there only where the description is folded
+        browser.find_element("xpath", "//button[@data-testid='show-comment-toggle']").click()
+    main = micro_study.report.tables[0]
+    means = [f"{row.cells[0].mean:.3f}" for row in main.rows]  # each arm's AL at k=3, as the report has it
+    table = _wait(browser, name, "the report's main table", _shown(f"{NOTE}//table", lambda t: "k=3" in t))
+    for row, mean in zip(main.rows, means, strict=True):
+        assert re.search(rf"^{re.escape(row.label)} 2 {mean} ± ", table, re.M), (row.label, mean, table)
     _keep(browser, name)
-    assert cells == [METRIC, f"{VALUE:g}"]
-    assert CHILD in browser.find_element("tag name", "body").text
+
+    # click 3: a figure, in the parent run's artifacts (the link opens a tab of its own)
+    name = "mlflow_ui_figure"
+    tabs = set(browser.window_handles)
+    _wait(browser, name, "the figure's link", _clicked(f"{NOTE}//a[normalize-space()='al_vs_depth']"))
+    new = _wait(browser, name, "the figure's tab", lambda d: set(d.window_handles) - tabs)
+    browser.switch_to.window(new.pop())
+    _wait(browser, name, "figure al_vs_depth.png", _image_loaded("al_vs_depth.png"))
+    _keep(browser, name)
+
+
+EXPAND_DESCRIPTION = "//button[@data-component-id='mlflow.experiment.metadata_editor.expand_button']"
+
+
+def test_ui_refuses_a_study_the_store_lacks_in_one_line(store: Store, capsys) -> None:
+    from lab.cli import main
+
+    assert main(["ui", "experiment=nope", "--no-browser", *store.overrides()]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: experiment: no study 'nope' in {store.uri}; the studies there: {STUDY}"]
+    # the page of a study: its runs (with the saved view `lab report` stores, shown by tests/test_report.py)
+    assert track.study_page(store.uri, STUDY) == f"#/experiments/{store.experiment_id}/runs"
+    assert track.study_page(store.uri, None) == f"#/experiments/{store.experiment_id}/runs"
+
+
+@pytest.mark.parametrize(("set_by_user", "seen"), [(None, "true"), ("false", "false")])
+def test_mlflow_telemetry_is_off_unless_turned_on(set_by_user: str | None, seen: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_DISABLE_TELEMETRY"}
+    if set_by_user is not None:
+        env["MLFLOW_DISABLE_TELEMETRY"] = set_by_user
+    code = "import os, lab.track; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == seen

@@ -34,7 +34,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     parent run, then the tables and reports/NAME/report.md. Rerunning the same command resumes: finished runs
     are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.
     """
-    from lab.cli.report import load_study, write_report
+    from lab.cli.report import describe_study, load_study, write_report
     from lab.sweep import experiment
 
     worker, overrides = worker_mode(args.overrides)
@@ -53,6 +53,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         overrides = [redact(o) for o in extra]
         print(f"the study is done; its report: lab report experiment={name} {' '.join(seeds + overrides)}")
         return 0
+    describe_study(exp, extra, args.seeds)  # the experiment's page says what it compares while it runs
     worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
     result = engine.launch(sweep, extra, worker_args, workers=workers, progress=not args.no_progress)
     if workers == 0:

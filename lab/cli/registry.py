@@ -47,7 +47,9 @@ COMMANDS: dict[str, Command] = {
         "the paper's claims beside the studies of a profile, from MLflow alone, into one Markdown page",
     ),
     "doctor": Command("lab.cli.doctor", "DOCTOR", "what is installed, where the store and caches are"),
-    "ui": Command("lab.cli.serve", "UI", "the MLflow UI over the configured store (127.0.0.1 unless --host)"),
+    "ui": Command(
+        "lab.cli.serve", "UI", "the MLflow UI over the configured store, opened on a study (127.0.0.1 unless --host)"
+    ),
     "server": Command(
         "lab.cli.serve",
         "SERVER",

@@ -110,15 +110,56 @@ def load_study(exp: Any, uri: str, parent_run_id: str, only_seeds: list[int] | N
     return report.load(uri, parent_run_id, exp.name, exp.description, arms, exp.baseline, exp.seeds, only_seeds)
 
 
+def _command(verb: str, exp: Any, extra: list[str], seeds_arg: str | None) -> str:
+    """`lab VERB experiment=NAME [--seeds S] OVERRIDES` as said in a report and the UI (no password)."""
+    seeds = [f"--seeds {seeds_arg}"] if seeds_arg else []
+    return " ".join([f"lab {verb}", f"experiment={exp.name}", *seeds, *(redact(o) for o in extra)])
+
+
 def write_report(exp: Any, extra: list[str], study: Any, out: str | None, seeds_arg: str | None) -> Any:
     """Write the experiment's report of `study` (into `out`, else reports/NAME), naming the command that
-    writes it again."""
+    writes it again, and the descriptions of the study in the MLflow UI."""
     from lab import report
 
-    command = " ".join(
-        ["lab report", f"experiment={exp.name}", *([f"--seeds {seeds_arg}"] if seeds_arg else []), *extra]
+    command, rerun = _command("report", exp, extra, seeds_arg), _command("ablate", exp, extra, seeds_arg)
+    written = report.write(study, exp.figures, Path(out or Path("reports") / exp.name), command, rerun)
+    describe_study(exp, extra, seeds_arg)
+    return written
+
+
+def describe_study(exp: Any, extra: list[str], seeds_arg: str | None) -> None:
+    """The experiment's description in the MLflow UI: what its arms compare, each arm's toggles in words (from
+    its composed config), the seeds, profile, target and data this study runs with, and its commands."""
+    from lab import track
+    from lab.config.identity import flatten
+    from lab.report import notes
+
+    cfgs = {a.name: compose([*exp.overrides, *a.overrides, *extra]) for a in exp.arms}
+    cfg = cfgs[exp.baseline]
+    profiles = [o.split("=", 1)[1] for o in extra if o.startswith("profile=")]
+    e = cfg.eval
+    setting = [
+        f"- Seeds {', '.join(map(str, exp.seeds))}; profile "
+        + (f"`{profiles[-1]}`" if profiles else "none (the default run's sizes)"),
+        f"- Target `{cfg.target.name}`; data `{cfg.data.name}` ({cfg.data.source.name}); suites "
+        f"{', '.join(e.suites or [])}; k in {', '.join(map(str, e.num_speculative_tokens))}; backends "
+        f"{', '.join(e.backends)}",
+    ]
+    if exp.overrides:
+        setting.append(f"- Every arm: `{' '.join(exp.overrides)}`")
+    toggles = notes.arm_toggles({name: flatten(c) for name, c in cfgs.items()})
+    arms = [(a.name, a.label) for a in exp.arms]
+    text = notes.experiment_note(
+        exp.name,
+        exp.description,
+        arms,
+        exp.baseline,
+        toggles,
+        setting,
+        _command("ablate", exp, extra, seeds_arg),
+        _command("report", exp, extra, seeds_arg),
     )
-    return report.write(study, exp.figures, Path(out or Path("reports") / exp.name), command)
+    track.describe_experiment(cfg.tracking.uri, cfg.tracking.artifact_root, exp.name, text)
 
 
 def _report_arguments(p: argparse.ArgumentParser) -> None:

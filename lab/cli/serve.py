@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 
 from lab.cli.common import PORT, STORE_KEYS, SWEEP_FILE, Verb, capped_workers, fail, host, integer, path_type
 from lab.config import ConfigError, redact
@@ -18,17 +20,54 @@ INPUT_SQLITE = PathRule("file", "sqlite", prefix="sqlite:///")
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    """the MLflow UI over the configured store (127.0.0.1 unless --host)"""
-    cfg = compose(args.overrides)
+    """the MLflow UI over the configured store, opened on a study (127.0.0.1 unless --host)
+
+    Serve MLflow's UI over the configured store and print the URL of the study `experiment=NAME` (else of the
+    newest study): its runs in the study's saved view, each run's description saying its arm, seed and AL; the
+    parent run's description holds the report's main table and links to its figures. A browser opens it where
+    the machine has a display, unless --no-browser. MLflow's telemetry stays off unless
+    MLFLOW_DISABLE_TELEMETRY=false is set (docs/tracking.md).
+    """
+    from lab.sweep.find import named_study
+
+    names, overrides = named_study(args.overrides, ("experiment",))
+    cfg = compose(overrides)
     check_paths(cfg, keys=STORE_KEYS)
     from lab import track
 
+    page = track.study_page(cfg.tracking.uri, names["experiment"][-1] if names["experiment"] else None)
     track.configure(cfg.tracking.uri)
     cmd = track.ui_command(cfg.tracking.uri, cfg.tracking.artifact_root, args.host, args.port)
-    print(f"MLflow UI on http://{args.host}:{args.port} over {cfg.tracking.uri}")
-    print("  (MLflow 3 opens on its GenAI view: choose 'Model training' at the top left to see the runs)")
+    url = f"http://{args.host}:{args.port}/{page}"
+    print(f"MLflow UI on {url} over {cfg.tracking.uri}", flush=True)  # flushed: exec drops unwritten output
+    if not args.no_browser and _has_display():
+        _open_when_served(url.replace("//0.0.0.0:", "//127.0.0.1:"))
     os.execvpe(cmd[0], cmd, {**track.ui_environment(), **os.environ})
     return 0
+
+
+def _has_display() -> bool:
+    """Whether a graphical browser can open here (not over ssh without X forwarding, not in a container)."""
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+# run detached, as the server replaces `lab ui`'s process: opens the page once the server answers
+_OPENER = """import sys, time, urllib.request, webbrowser
+for _ in range(600):
+    try:
+        urllib.request.urlopen(sys.argv[1].split("#")[0], timeout=2)
+        break
+    except OSError:
+        time.sleep(0.5)
+webbrowser.open(sys.argv[1])
+"""
+
+
+def _open_when_served(url: str) -> None:
+    quiet = subprocess.DEVNULL
+    subprocess.Popen(
+        [sys.executable, "-c", _OPENER, url], stdin=quiet, stdout=quiet, stderr=quiet, start_new_session=True
+    )
 
 
 def cmd_server(args: argparse.Namespace) -> int:
@@ -104,7 +143,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 def _ui_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", type=host, default="127.0.0.1")
     p.add_argument("--port", type=PORT, default=5000)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
+    p.add_argument("--no-browser", action="store_true", help="print the study's URL only, open no browser")
+    p.add_argument("overrides", nargs="*", help="[experiment=NAME] then Hydra overrides, e.g. tracking.uri=...")
 
 
 def _server_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,7 +171,13 @@ def _dashboard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=PORT, help="port on 127.0.0.1 (default 8080, or a free one when it is taken)")
 
 
-UI = Verb(cmd_ui, _ui_arguments)
+UI = Verb(
+    cmd_ui,
+    _ui_arguments,
+    epilog="examples:\n  lab ui                          # the newest study\n"
+    "  lab ui experiment=drift_2x2\n  lab ui --no-browser tracking.uri=sqlite:///elsewhere/mlflow.db",
+    fill=False,
+)
 SERVER = Verb(
     cmd_server,
     _server_arguments,

@@ -1,5 +1,6 @@
 """Reports from MLflow alone: `reports/NAME/` with the tables (Markdown, LaTeX, CSV), the figures (PNG,
-PDF) and `report.md` assembling them with the study's provenance. Nothing is rerun, no cache is read."""
+PDF) and `report.md` assembling them with the study's provenance, also on the study's parent run with the
+descriptions the MLflow UI shows (`notes`). Nothing is rerun, no cache is read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from lab import track
 from lab.config import ConfigError
 from lab.fsutil import staged_output
 from lab.report import figures as fig_mod
-from lab.report import paired
+from lab.report import notes, paired
 from lab.report import tables as tab_mod
 from lab.report.study import Study, load
 
@@ -125,8 +126,9 @@ def _run_table(study: Study) -> list[str]:
     return lines
 
 
-def write(study: Study, figure_names: list[str], folder: Path, command: str) -> Report:
-    """Write the study's report into `folder` (and onto its parent run as the `report/` artifacts)."""
+def write(study: Study, figure_names: list[str], folder: Path, command: str, rerun: str = "") -> Report:
+    """Write the study's report into `folder` (and onto its parent run as the `report/` artifacts, its main
+    table into the parent's description); `command` writes it again, `rerun` runs the study again."""
     unknown = [n for n in figure_names if n not in fig_mod.FIGURES]
     if unknown:
         raise ConfigError(
@@ -147,6 +149,7 @@ def write(study: Study, figure_names: list[str], folder: Path, command: str) -> 
     figures = [replace(f, files=[folder / "figures" / p.name for p in f.files]) for f in drawn]
     report = Report(folder, tables, figures)
     track.log_artifacts(study.uri, study.parent.info.run_id, folder, "report")
+    notes.publish(study, tables, figures, rerun, command)
     return report
 
 

@@ -9,17 +9,19 @@ as artifacts. The package holds, by concern:
 - `runs`: a run's lifecycle (`start_run`, `parent_run` -> `Run`) and logging on any run by id;
 - `queries`: reading runs, curves, logged configs, JSON artifacts and checkpoints back;
 - `rekey`: `lab doctor --rekey`'s migration of runs keyed by an older config hash scheme;
+- `notes`: what the UI shows of a study: descriptions, a saved view of its runs table, the page `lab ui` opens;
 - `serving`: a tracking server's reachability and the `mlflow server` / `mlflow ui` command lines;
 - `study_archive/`: a study moved between stores as one archive (`lab study export` / `import`);
 - `ui_app`: the MLflow app `lab ui` and `lab server` run.
 
-The public names of the first six are re-exported here, so that callers write `track.start_run(...)` without
+The public names of the first seven are re-exported here, so that callers write `track.start_run(...)` without
 knowing which module holds it. A test that patches one patches it here when a caller goes through `lab.track`
 (`track.server_command`), and in its module when another function of the package calls it.
 """
 
 from __future__ import annotations
 
+from lab.track.notes import NOTE, describe_experiment, describe_run, save_view, study_page, study_runs_filter
 from lab.track.queries import (
     TrainedRun,
     child_runs,
@@ -52,6 +54,7 @@ from lab.track.store import configure, is_server, local_paths, prepare_store, st
 from lab.track.writers import check_writable
 
 __all__ = [
+    "NOTE",
     "UI_APP",
     "Run",
     "RunStopped",
@@ -60,6 +63,8 @@ __all__ = [
     "check_writable",
     "child_runs",
     "configure",
+    "describe_experiment",
+    "describe_run",
     "end_run",
     "ensure_experiment",
     "get_run",
@@ -78,12 +83,15 @@ __all__ = [
     "run_checkpoint",
     "run_json",
     "runs_keyed_before",
+    "save_view",
     "search_runs",
     "server_command",
     "set_run_tags",
     "start_run",
     "store_lock",
+    "study_page",
     "study_parents",
+    "study_runs_filter",
     "trained_run",
     "ui_command",
     "ui_environment",
