@@ -125,6 +125,11 @@ def suite_answers(
 
 def _build(target, prompts, length, stop_ids, aux_layers, path: Path, key: str) -> dict:
     answers = compute_answers(target, prompts, length, stop_ids, aux_layers)
+    return write_answers(answers, path, key, target.fingerprint, aux_layers, length)
+
+
+def write_answers(answers: Answers, path: Path, key: str, fingerprint: str, aux_layers: list[int], length: int) -> dict:
+    """Publish `answers` whole as the entry `path`, with its manifest."""
     width = answers.aux.shape[1]
     tensors = {
         "input_ids": torch.tensor([s + [0] * (width - len(s)) for s in answers.sequences], dtype=torch.int32),
@@ -138,9 +143,9 @@ def _build(target, prompts, length, stop_ids, aux_layers, path: Path, key: str) 
         manifest = {
             "key": key,
             "format": ANSWERS_FORMAT,
-            "target": target.fingerprint,
+            "target": fingerprint,
             "aux_layers": list(aux_layers),
-            "num_prompts": len(prompts),
+            "num_prompts": len(answers),
             "length": length,
             "disagreements": answers.disagreements,
             "shards": [{"file": FILE, "sha256": sha256_file(tmp / FILE)}],
