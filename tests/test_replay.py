@@ -133,3 +133,14 @@ def test_the_answer_cache_is_reused_rebuilt_when_damaged_and_refused_when_mismat
     write_answers(other, first.path, first.path.name, micro_target.fingerprint, layers, 12)
     with pytest.raises(RuntimeError, match="stored prompts differ from the suite's"):
         suite_answers(micro_target, prompts, 12, stops, layers, tmp_path)
+
+
+def test_more_timed_prompts_than_a_suite_holds_is_one_line_before_any_run(micro_overrides, micro_hidden):
+    from lab import pipeline
+    from lab.config import ConfigError
+
+    cfg = compose(micro_overrides + ["eval.timed_prompts=7"])  # in_dist holds 6
+    with pytest.raises(
+        ConfigError, match=r"^eval.timed_prompts: expected at most the 6 prompts of suite 'in_dist', got 7$"
+    ):
+        pipeline.warm_caches(cfg, progress=False)
