@@ -309,7 +309,7 @@ class EvalConfig:
     # replay: acceptance and drift of every prompt replayed from the target's cached greedy answers (equal to
     # the decoder's), the decoder timing `timed_prompts` per suite; sequential: the decoder on every prompt
     decoder: Decoder = Decoder.replay
-    timed_prompts: int = checked(2, **POSITIVE)  # per suite, with eval.decoder=replay
+    timed_prompts: int = checked(1, **POSITIVE)  # per suite, with eval.decoder=replay
     n_sink: int = checked(1, **POSITIVE)  # leading positions counted as the attention sink
     # teacher-forced rollout depth; None = max(3 x train.ttt_length, max k)
     rollout_depth: int | None = checked(None, **POSITIVE)

@@ -29,7 +29,7 @@ from lab.drafter.model import _repeat_kv
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import DecodeStats
 
-SCORES_BUDGET = 1 << 26  # attention scores held at once (B x heads x T x T), which sets the batch of prompts
+SCORES_BUDGET = 1 << 26  # attention scores held at once: sets the batch of prompts and step 0's chunk of rows
 
 
 class ChainCache:
@@ -48,25 +48,33 @@ class ChainCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.k[layer].append(_repeat_kv(k, q.shape[1]))
         self.v[layer].append(_repeat_kv(v, q.shape[1]))
+        if len(self.k[layer]) > 1:  # a later step: the window's queries
+            out, self.sink[layer], self.self_[layer] = self._attend(layer, q, self.window)
+            return out
+        # step 0 queries every position (a later layer's keys read them), in chunks of rows: a long prompt's
+        # whole [B, heads, T, T] attention need not be held at once
+        b, heads, t, _ = q.shape
+        rows = max(1, SCORES_BUDGET // (b * heads * t))
+        at = torch.arange(t, device=q.device).expand(b, t)
+        parts = [self._attend(layer, q[:, :, i : i + rows], at[:, i : i + rows]) for i in range(0, t, rows)]
+        sink = torch.cat([p[1] for p in parts], 2).gather(2, self.window[:, None].expand(-1, heads, -1))
+        self.sink[layer], self.self_[layer] = sink, torch.zeros_like(sink)
+        return torch.cat([p[0] for p in parts], 2)
+
+    def _attend(self, layer: int, q: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries q [B, h, n, d] at positions `at` [B, n] -> (output, sink mass, self mass [B, h, n])."""
         k0, v0 = self.k[layer][0], self.v[layer][0]
         t = k0.shape[2]
-        first = len(self.k[layer]) == 1  # step 0 queries every position, later steps the window
-        at = torch.arange(t, device=q.device).expand(q.shape[0], t) if first else self.window  # [B, tq]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        causal = (q @ k0.transpose(-1, -2)) * scale  # [B, h, tq, T]
+        causal = (q @ k0.transpose(-1, -2)) * scale  # [B, h, n, T]
         future = torch.arange(t, device=q.device)[None, None, :] > at[:, :, None]
         causal = causal.masked_fill(future[:, None], float("-inf"))
-        diag = [(q * ki).sum(-1, keepdim=True) * scale for ki in self.k[layer][1:]]  # [B, h, tq, 1] each
+        diag = [(q * ki).sum(-1, keepdim=True) * scale for ki in self.k[layer][1:]]  # [B, h, n, 1] each
         probs = torch.softmax(torch.cat([causal, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-        sink, self_ = probs[..., : self.n_sink].sum(-1), probs[..., t:].sum(-1)  # [B, h, tq]
-        if first:
-            sink = sink.gather(2, self.window[:, None].expand(-1, sink.shape[1], -1))
-            self_ = torch.zeros_like(sink)
-        self.sink[layer], self.self_[layer] = sink, self_
         out = probs[..., :t] @ v0
         for i, vi in enumerate(self.v[layer][1:]):
             out = out + probs[..., t + i : t + i + 1] * vi
-        return out
+        return out, probs[..., : self.n_sink].sum(-1), probs[..., t:].sum(-1)
 
 
 @dataclass

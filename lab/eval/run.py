@@ -81,8 +81,8 @@ def evaluate_suite_prompts(
     if answers is not None and temperature > 0:
         raise ValueError("eval.decoder=replay needs temperature 0: sampled outputs are not the greedy answers")
     timed = list(range(len(suite.prompts))) if answers is None else list(timed or [])
-    decoded = _decode(target_model, drafter, suite, ks, timed, progress, probes and answers is None, n_sink,
-                      temperature, seed)  # fmt: skip
+    sequential_probes = probes and answers is None  # the replay's probes stand for the timed sample's
+    decoded = _decode(target_model, drafter, suite, ks, timed, progress, sequential_probes, n_sink, temperature, seed)
     if answers is not None:
         replayed = replay(drafter, answers, ks, suite.max_new_tokens, suite.stop_ids, n_sink, probes)
         counted = {i: _Tally.replayed(ks, n_sink, probes, r) for i, r in enumerate(replayed)}
