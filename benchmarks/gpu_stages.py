@@ -1,7 +1,9 @@
 """Every stage's speed on the current device, side by side in one run: greedy generation (regeneration's
 `generator=hf` loop, over the dynamic KV cache and over the static one in CUDA graphs), plain decoding and
-speculative decoding (k = 3, probes on) in the reference decoder, hidden-state capture, and training (tokens/s
-and MFU). Prints a table and appends it to benchmarks/RESULTS.md with the date, the card and the command.
+speculative decoding (k = 3, probes on) in the reference decoder, the same rounds replayed (`eval.decoder=replay`:
+the drafter's batched unroll over the target's greedy answers, which are computed once per study), hidden-state
+capture, and training (tokens/s and MFU). Prints a table and appends it to benchmarks/RESULTS.md with the date, the
+card and the command.
 
     .venv/bin/python benchmarks/gpu_stages.py                       # a random SmolLM2-135M-shaped target
     .venv/bin/python benchmarks/gpu_stages.py --target micro        # the micro target (CPU-sized)
@@ -33,10 +35,12 @@ import torch
 from omegaconf import OmegaConf
 
 from lab.config import DrafterConfig
+from lab.data.answers import compute_answers
 from lab.device import DTYPES
 from lab.drafter import init_drafter
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import speculative_decode, target_decode
+from lab.eval.replay import replay
 from lab.target import capture
 from lab.target.generate import greedy_batch
 from lab.target.load import Target
@@ -178,6 +182,7 @@ def main() -> int:
         speculative_decode(model, drafter, dec[0], 4, 3, DriftProbes(3))
         plain_syncs = host_syncs(device, lambda: target_decode(model, dec[0], 16))
         spec_out: list = []
+        answers: list = []
 
         def spec16() -> None:
             spec_out.append(speculative_decode(model, drafter, dec[0], 16, 3, DriftProbes(3)))
@@ -194,11 +199,18 @@ def main() -> int:
         def per_token(syncs: int | None, tokens: int) -> str:
             return "" if syncs is None else f"{syncs / max(1, tokens):.1f} host syncs / token"
 
+        # eval.decoder=replay on the same prompts: the target's greedy answers (once per study), then the
+        # drafter's batched unroll over them, which gives the rounds and probes the decoder above counted
+        replay(drafter, compute_answers(target, dec[:1], 8, (), aux), [3], 4)
+        answers_s = _timed(device, lambda: answers.append(compute_answers(target, dec, dec_new + 3, (), aux)))
+        replay_s = _timed(device, lambda: replay(drafter, answers[-1], [3], dec_new))
         shape = f"{dec_prompts} prompts x {dec_new}"
         return [
             ("plain decoding", f"{shape}, batch 1", plain_tokens / plain, per_token(plain_syncs, 16)),
             ("speculative, k=3, probes", shape, spec_tokens / spec, per_token(spec_syncs, len(spec_out[0][0]))),
-        ]
+            ("replay, k=3, probes", shape, spec_tokens / replay_s,
+             f"the answers (once per study): {spec_tokens / answers_s:,.0f} tokens/s"),
+        ]  # fmt: skip
 
     def capture_stage():
         # hidden-state capture, in chunks of 64 sequences

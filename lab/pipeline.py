@@ -29,9 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lab import metrics as metric_keys
 from lab import track
-from lab.config import ConfigError, DataSource, rollout_depth
+from lab.config import ConfigError, DataSource, Decoder, rollout_depth
 from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
 from lab.config.shape import aux_layers
+from lab.data.answers import Answers, suite_answers
 from lab.data.cache import HeldoutStates, build_or_load, heldout_states
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
@@ -42,7 +43,7 @@ from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_nativ
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
-from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
+from lab.eval.run import evaluate_suite_prompts, heldout_evaluation, timed_prompts
 from lab.fsutil import claim
 from lab.target import Target
 from lab.target import load as load_target
@@ -101,6 +102,7 @@ class Prepared:
     data_stats: dict[str, float]
     hidden: Any  # the hidden-state cache; None when a drafter is loaded
     suites: list
+    answers: dict[str, Answers]  # per suite, with eval.decoder=replay: the target's greedy answers, cached
     seconds: dict[str, float]
 
 
@@ -150,8 +152,34 @@ def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None], reus
     stage("suites")
     suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
     seconds["suites"] = time.time() - t0
+    answers = {}
+    if cfg.eval.decoder == Decoder.replay and "ref" in cfg.eval.backends:
+        t0 = time.time()
+        stage("answers")
+        for suite in suites:
+            if cfg.eval.timed_prompts > len(suite.prompts):
+                raise ConfigError(
+                    "eval.timed_prompts",
+                    f"expected at most the {len(suite.prompts)} prompts of suite '{suite.name}', got "
+                    f"{cfg.eval.timed_prompts}",
+                )
+            length = suite.max_new_tokens + max(cfg.eval.num_speculative_tokens)  # the last round verifies past it
+            answers[suite.name] = suite_answers(target, suite.prompts, length, suite.stop_ids, layers, cfg.cache_dir)
+        seconds["answers"] = time.time() - t0
     return Prepared(
-        target, source, train_tags, reused, logged, layers, heldout, rollout_states, data_stats, hidden, suites, seconds
+        target,
+        source,
+        train_tags,
+        reused,
+        logged,
+        layers,
+        heldout,
+        rollout_states,
+        data_stats,
+        hidden,
+        suites,
+        answers,
+        seconds,
     )
 
 
@@ -259,6 +287,8 @@ def run(
                 n_sink=e.n_sink,
                 temperature=e.temperature,
                 seed=cfg.seed,
+                answers=prepared.answers.get(suite.name),
+                timed=timed_prompts(len(suite.prompts), e.timed_prompts),
             )
             seconds[f"eval_{suite.name}"] = time.time() - suite_started  # every k of the suite, and its baseline
             mlrun.log_curves(evaluated.metrics)  # as each suite finishes: a later failure keeps them

@@ -60,6 +60,12 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "expected a non-empty list of distinct integers >= 1, got []",
     ),
     ("negative threads", ["run", STORE, "threads=-2"], "threads", "expected an integer >= 1 or null, got -2"),
+    (
+        "replay sampling",
+        ["run", STORE, "eval.temperature=0.7"],
+        "eval.decoder",
+        "replay reads the target's greedy answers and needs eval.temperature=0, got 0.7",
+    ),
     ("aux layer past the target", ["run", STORE, "drafter.aux_layers=[1,2,9]"], "drafter.aux_layers", "0..3"),
     # incompatible combinations
     (

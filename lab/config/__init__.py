@@ -87,6 +87,11 @@ class Generator(str, Enum):
     hf = "hf"  # transformers' generate, batched
 
 
+class Decoder(str, Enum):
+    replay = "replay"  # greedy acceptance and drift from the drafter's unroll over the cached answers
+    sequential = "sequential"  # the reference decoder on every prompt (temperature > 0 needs it)
+
+
 class Device(str, Enum):
     auto = "auto"  # cuda where torch sees a GPU, else cpu (lab/device.py resolves it)
     cpu = "cpu"
@@ -307,6 +312,10 @@ class EvalConfig:
     stop_at_eos: bool = True
     temperature: float = checked(0.0, min=0.0)  # 0 = greedy; > 0 = lossless speculative sampling
     probes: bool = True  # drift probes during reference decoding
+    # replay: acceptance and drift of every prompt replayed from the target's cached greedy answers (equal to
+    # the decoder's), the decoder timing `timed_prompts` per suite; sequential: the decoder on every prompt
+    decoder: Decoder = Decoder.replay
+    timed_prompts: int = checked(1, **POSITIVE)  # per suite, with eval.decoder=replay
     n_sink: int = checked(1, **POSITIVE)  # leading positions counted as the attention sink
     # teacher-forced rollout depth; None = max(3 x train.ttt_length, max k)
     rollout_depth: int | None = checked(None, **POSITIVE)

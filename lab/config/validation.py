@@ -32,6 +32,7 @@ from lab.config import (
     Config,
     ConfigError,
     DataSource,
+    Decoder,
     FcNorm,
     NormType,
     SuiteKind,
@@ -98,6 +99,12 @@ def validate(cfg: DictConfig) -> None:
         _validate_mla(cfg)
     _validate_suites(cfg)
     _validate_backends(cfg)
+    if cfg.eval.decoder == Decoder.replay and cfg.eval.temperature > 0:
+        raise ConfigError(
+            "eval.decoder",
+            f"replay reads the target's greedy answers and needs eval.temperature=0, got {cfg.eval.temperature}; "
+            "set eval.decoder=sequential to sample",
+        )
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     _validate_lengths(cfg)

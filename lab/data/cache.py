@@ -81,7 +81,7 @@ def _verify(path: Path) -> dict | None:
     return manifest
 
 
-def _verified_or_built(path: Path, build: Callable[[], dict]) -> tuple[dict, bool]:
+def verified_or_built(path: Path, build: Callable[[], dict]) -> tuple[dict, bool]:
     """The entry's manifest and whether it was there (verified), else `build()`'s, built under the entry's lock."""
     manifest = _verify(path)
     if manifest is not None:
@@ -109,7 +109,7 @@ def build_or_load(
     key = cache_key(target, dcfg, aux_layers)
     path = Path(cache_dir) / "hidden" / key
     started = time.time()
-    manifest, hit = _verified_or_built(
+    manifest, hit = verified_or_built(
         path, functools.partial(_build, target, sequences, aux_layers, path, key, batch_size, progress)
     )
     stored = _read(path, manifest)
@@ -233,7 +233,7 @@ def heldout_states(
         }
     )
     path = Path(cache_dir) / "heldout" / key
-    _, hit = _verified_or_built(
+    _, hit = verified_or_built(
         path, functools.partial(_capture_heldout, target, ids, aux_layers, path, key, batch_size)
     )
     stored = load_file(str(path / "states.safetensors"))

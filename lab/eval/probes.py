@@ -49,16 +49,21 @@ class DriftProbes:
         )
         self._pending.append((j, values))
 
+    def add(self, j: int, sink: float, self_: float, feedback_rms: float) -> None:
+        """Step j's values as `record` computes them (the replay's, lab/eval/replay.py), added in order."""
+        self._flush()
+        self.sink[j - 1] += sink
+        self.self_[j - 1] += self_
+        self.feedback_rms[j - 1] += feedback_rms
+        self.count[j - 1] += 1
+
     def _flush(self) -> None:
         if not self._pending:
             return
         values = torch.stack([v.float() for _, v in self._pending]).tolist()  # one transfer
-        for (j, _), (sink, self_, rms) in zip(self._pending, values, strict=True):
-            self.sink[j - 1] += sink
-            self.self_[j - 1] += self_
-            self.feedback_rms[j - 1] += rms
-            self.count[j - 1] += 1
-        self._pending.clear()
+        pending, self._pending = self._pending, []
+        for (j, _), (sink, self_, rms) in zip(pending, values, strict=True):
+            self.add(j, sink, self_, rms)
 
     def merge(self, other: DriftProbes) -> None:
         self._flush()

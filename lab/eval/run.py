@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from lab import metrics as metric_keys
+from lab.data.answers import Answers
 from lab.data.cache import HeldoutStates, capture_heldout
 from lab.data.suites import Suite
 from lab.data.text import Sequences
@@ -23,6 +24,7 @@ from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
 from lab.eval.reference import DecodeStats, prefill, speculative_decode, target_decode
+from lab.eval.replay import Replayed, replay
 
 Metrics = dict[str, float | list[float]]
 PER_PROMPT_FORMAT = 1  # the version of the per_prompt/*.json artifacts (docs/metrics.md)
@@ -43,6 +45,12 @@ def prompt_id(tokens: list[int]) -> str:
     return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
+def timed_prompts(num_prompts: int, count: int) -> list[int]:
+    """The prompts the decoder times with eval.decoder=replay: `count` of them, evenly spread over the suite
+    (whose variants come one after another), always the same ones."""
+    return sorted({i * num_prompts // count for i in range(min(count, num_prompts))})
+
+
 def evaluate_suite_prompts(
     target_model,
     drafter: Eagle3Drafter,
@@ -53,6 +61,8 @@ def evaluate_suite_prompts(
     n_sink: int = 1,
     temperature: float = 0.0,
     seed: int = 0,
+    answers: Answers | None = None,
+    timed: list[int] | None = None,
 ) -> Evaluation:
     """AL, acceptance curves, tokens/s and speedup over plain decoding of the target, per k, measured side by
     side prompt by prompt; with `probes`, the drift curves `drift/{suite}/k{k}/...` too (a suite with several
@@ -60,18 +70,83 @@ def evaluate_suite_prompts(
     order, as in `suites/{suite}.json`) and k, the drafting rounds, accepted drafts, accepted drafts per
     position and, with `probes`, the drift probes' sums (`DriftProbes`): AL = 1 + sum(accepted) / sum(rounds)
     over the prompts is the logged `eval/{suite}/ref/k{k}/al`, and the probes' sums pooled the same way give
-    the drift curves."""
-    drafter.eval()
-    # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
-    target_decode(target_model, suite.prompts[0], 4)
-    speculative_decode(target_model, drafter, suite.prompts[0], 4, max(ks))
+    the drift curves.
 
-    results = {v: _Tally(ks, n_sink, probes) for v in dict.fromkeys(suite.variants)}
-    bar = tqdm(suite.prompts, desc=f"eval {suite.name} k={ks}", unit="prompt", disable=not progress)
-    gen = torch.Generator().manual_seed(seed)
+    Without `answers` (`eval.decoder=sequential`) the reference decoder decodes every prompt. With the
+    suite's greedy `answers` (`eval.decoder=replay`, temperature 0) the rounds, acceptance and drift of every
+    prompt come from the replay (lab/eval/replay.py, equal to the decoder's), and the decoder runs only on the
+    prompts `timed` (indices), for tokens/s, speedup, the cost ratios and exact match; the limits combine
+    those cost ratios with the replay's AL. The per-prompt document names the timed prompts (`timed`)."""
+    drafter.eval()
+    if answers is not None and temperature > 0:
+        raise ValueError("eval.decoder=replay needs temperature 0: sampled outputs are not the greedy answers")
+    timed = list(range(len(suite.prompts))) if answers is None else list(timed or [])
+    sequential_probes = probes and answers is None  # the replay's probes stand for the timed sample's
+    decoded = _decode(target_model, drafter, suite, ks, timed, progress, sequential_probes, n_sink, temperature, seed)
+    if answers is not None:
+        replayed = replay(drafter, answers, ks, suite.max_new_tokens, suite.stop_ids, n_sink, probes)
+        counted = {i: _Tally.replayed(ks, n_sink, probes, r) for i, r in enumerate(replayed)}
+    else:
+        counted = decoded
     records = []
-    for index, (prompt, variant) in enumerate(zip(bar, suite.variants, strict=True)):
-        tally = results[variant]
+    for index, (prompt, variant) in enumerate(zip(suite.prompts, suite.variants, strict=True)):
+        tally = counted[index]
+        by_k = {}
+        for k in ks:
+            st = tally.stats[k]
+            record: dict[str, Any] = {"rounds": st.rounds, "accepted": st.accepted, "accepted_at": list(st.accepted_at)}
+            if k in tally.drift:
+                record["drift"] = tally.drift[k].sums()
+            by_k[str(k)] = record
+        records.append({"index": index, "id": prompt_id(prompt), "variant": variant, "k": by_k})
+
+    def pooled(tallies: dict[int, _Tally], variant: str | None) -> _Tally:
+        total = _Tally(ks, n_sink, probes)
+        for i, tally in tallies.items():  # in the prompts' order, as the sums were always added
+            if variant is None or suite.variants[i] == variant:
+                total.merge(tally)
+        return total
+
+    metrics = pooled(counted, None).metrics(suite.name, temperature, pooled(decoded, None))
+    variants = list(dict.fromkeys(suite.variants))
+    if len(variants) > 1:
+        for variant in variants:
+            name = metric_keys.suite_variant(suite.name, variant)
+            metrics.update(pooled(counted, variant).metrics(name, temperature, pooled(decoded, variant)))
+    per_prompt = {
+        "format": PER_PROMPT_FORMAT,
+        "suite": suite.name,
+        "seed": seed,
+        "ks": list(ks),
+        "decoder": "sequential" if answers is None else "replay",
+        "timed": timed,
+        "prompts": records,
+    }
+    return Evaluation(metrics, per_prompt)
+
+
+def _decode(
+    target_model,
+    drafter: Eagle3Drafter,
+    suite: Suite,
+    ks: list[int],
+    indices: list[int],
+    progress: bool,
+    probes: bool,
+    n_sink: int,
+    temperature: float,
+    seed: int,
+) -> dict[int, _Tally]:
+    """The reference decoder, plain and at every k, on the prompts `indices`: one tally per prompt."""
+    out: dict[int, _Tally] = {}
+    if not indices:
+        return out
+    # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
+    target_decode(target_model, suite.prompts[indices[0]], 4)
+    speculative_decode(target_model, drafter, suite.prompts[indices[0]], 4, max(ks))
+    gen = torch.Generator().manual_seed(seed)
+    for index in tqdm(indices, desc=f"eval {suite.name} k={ks}", unit="prompt", disable=not progress):
+        prompt, tally = suite.prompts[index], _Tally(ks, n_sink, probes)
         pre = prefill(target_model, prompt, drafter.spec.aux_layer_ids)
         reference, seconds = target_decode(
             target_model, prompt, suite.max_new_tokens, temperature, gen, pre, suite.stop_ids
@@ -80,7 +155,6 @@ def evaluate_suite_prompts(
         tally.base_prefill_seconds += pre.seconds
         tally.base_tokens += len(reference)
         tally.prompts += 1
-        by_k = {}
         for k in ks:
             drift = DriftProbes(k, n_sink) if probes else None
             tokens, stats = speculative_decode(
@@ -88,38 +162,30 @@ def evaluate_suite_prompts(
             )
             tally.stats[k].merge(stats)
             tally.matches[k] += int(tokens == reference)
-            record: dict[str, Any] = {"rounds": stats.rounds, "accepted": stats.accepted}
-            record["accepted_at"] = list(stats.accepted_at)
             if drift is not None:
                 tally.drift[k].merge(drift)
-                record["drift"] = drift.sums()
-            by_k[str(k)] = record
-        records.append({"index": index, "id": prompt_id(prompt), "variant": variant, "k": by_k})
-    total = _Tally(ks, n_sink, probes)
-    for tally in results.values():
-        total.merge(tally)
-    metrics = total.metrics(suite.name, temperature)
-    if len(results) > 1:
-        for variant, tally in results.items():
-            metrics.update(tally.metrics(metric_keys.suite_variant(suite.name, variant), temperature))
-    per_prompt = {
-        "format": PER_PROMPT_FORMAT,
-        "suite": suite.name,
-        "seed": seed,
-        "ks": list(ks),
-        "prompts": records,
-    }
-    return Evaluation(metrics, per_prompt)
+        out[index] = tally
+    return out
 
 
 class _Tally:
-    """Decode statistics and drift probes of one suite variant, per k."""
+    """Decode statistics and drift probes of one suite variant (or one prompt), per k."""
 
     def __init__(self, ks: list[int], n_sink: int, probes: bool):
         self.base_seconds, self.base_prefill_seconds, self.base_tokens, self.prompts = 0.0, 0.0, 0, 0
         self.stats = {k: DecodeStats() for k in ks}
         self.matches = dict.fromkeys(ks, 0)
         self.drift = {k: DriftProbes(k, n_sink) for k in ks} if probes else {}
+
+    @classmethod
+    def replayed(cls, ks: list[int], n_sink: int, probes: bool, replayed: Replayed) -> _Tally:
+        """One prompt's replayed rounds and drift (no seconds: those come from the timed prompts)."""
+        tally = cls(ks, n_sink, probes)
+        for k in ks:
+            tally.stats[k].merge(replayed.stats[k])
+            if probes:
+                tally.drift[k].merge(replayed.drift[k])
+        return tally
 
     def merge(self, other: _Tally) -> None:
         self.base_seconds += other.base_seconds
@@ -129,30 +195,38 @@ class _Tally:
         for k, st in other.stats.items():
             self.stats[k].merge(st)
             self.matches[k] += other.matches[k]
-            if k in other.drift:
+            if k in other.drift and k in self.drift:
                 self.drift[k].merge(other.drift[k])
 
-    def metrics(self, name: str, temperature: float) -> Metrics:
-        out: Metrics = {metric_keys.baseline_tokens_per_s(name): self.base_tokens / self.base_seconds}
-        # the target's cost per decoded token: its decoding without the prefill (the first token comes from it)
-        target_per_token = (self.base_seconds - self.base_prefill_seconds) / max(1, self.base_tokens - self.prompts)
+    def metrics(self, name: str, temperature: float, timing: _Tally) -> Metrics:
+        """Acceptance and drift from this tally's rounds; tokens/s, speedup, the cost ratios and exact match
+        from `timing`'s decoded prompts (the same tally when every prompt was decoded; none: no such keys)."""
+        out: Metrics = {}
         for k, st in self.stats.items():
             out[metric_keys.acceptance_length(name, k)] = st.acceptance_length
             out[metric_keys.accept_rate(name, k)] = st.accept_rate
             out[metric_keys.cond_accept_rate(name, k)] = st.conditional_accept_rate
+            if k in self.drift:
+                out.update({metric_keys.drift(name, k, c): v for c, v in self.drift[k].curves().items()})
+        if not timing.prompts:
+            return out
+        out[metric_keys.baseline_tokens_per_s(name)] = timing.base_tokens / timing.base_seconds
+        # the target's cost per decoded token: its decoding without the prefill (the first token comes from it)
+        base_decoding = timing.base_seconds - timing.base_prefill_seconds
+        target_per_token = base_decoding / max(1, timing.base_tokens - timing.prompts)
+        for k, st in timing.stats.items():
+            al = self.stats[k].acceptance_length
             out[metric_keys.tokens_per_s(name, k)] = st.generated / st.seconds
-            out[metric_keys.speedup(name, k)] = self.base_seconds / st.seconds
+            out[metric_keys.speedup(name, k)] = timing.base_seconds / st.seconds
             c = st.draft_cost_ratio(k, target_per_token)
             out[metric_keys.draft_cost_ratio(name, k)] = c
-            out[metric_keys.chain_limit(name, k)] = st.acceptance_length / (1 + k * c)
+            out[metric_keys.chain_limit(name, k)] = al / (1 + k * c)
             # verifying k + 1 tokens costs more than one decode step: the part of the gap that is not overhead
             v = st.verify_cost_ratio(target_per_token)
             out[metric_keys.verify_cost_ratio(name, k)] = v
-            out[metric_keys.verify_limit(name, k)] = st.acceptance_length / (v + k * c)
+            out[metric_keys.verify_limit(name, k)] = al / (v + k * c)
             if temperature == 0:  # sampled outputs differ from the baseline's samples by design
-                out[metric_keys.exact_match(name, k)] = self.matches[k] / self.prompts
-            if k in self.drift:
-                out.update({metric_keys.drift(name, k, c): v for c, v in self.drift[k].curves().items()})
+                out[metric_keys.exact_match(name, k)] = timing.matches[k] / timing.prompts
         return out
 
 

@@ -119,7 +119,7 @@ def _warm(cfg: DictConfig, progress: bool, log: Callable[[str], None]) -> None:
     """The first trial's shared caches, built here on every core before the workers start: else the first
     worker builds them on its share of the cores while the others wait on the cache's lock. A failure is left
     to the trials, which record it (each builds what it needs)."""
-    log("warming the caches the trials share (target, data, hidden states, suites) on every core first")
+    log("warming the caches the trials share (target, data, hidden states, suites, greedy answers) on every core first")
     try:
         seconds = warm_caches(cfg, progress)
     except RUN_FAILURES as exc:

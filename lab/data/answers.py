@@ -1,0 +1,154 @@
+"""The target's side of a suite's evaluation, computed once: its greedy answer to every prompt, and its captured
+layers and top-1 over prompt + answer, which the replay (lab/eval/replay.py) reads instead of decoding.
+
+At temperature 0 the decoded text is the target's greedy answer whatever the drafter, so every arm and seed of
+a study shares it. An answer runs to the first stop token (kept) or `length` tokens: `length` is the suite's
+max_new_tokens plus the deepest k, because the decoder's last round verifies its drafts against the target
+beyond max_new_tokens before it cuts the output.
+
+Layout, as the held-out states beside it (lab/data/cache.py): `{cache_dir}/answers/{key}/answers.safetensors`
+(`input_ids` [N, T] int32 right-padded, `lengths` and `prompt_lens` [N], `aux` [N, T, A*H] in the target's
+dtype, `top` [N, T] int32) with a sha256 manifest, published whole under a lock. The key hashes the target
+fingerprint, its dtype and device kind, the prompts' token ids, the length, the stop ids and the captured
+layers. An entry whose file no longer matches its manifest is computed again (one line says so); one whose
+stored prompts differ from the suite's is refused in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from lab.data.cache import MANIFEST, capture_heldout, verified_or_built
+from lab.fsutil import sha256_file, short_hash, staging_dir
+from lab.target import Target
+from lab.target.generate import HF_BATCH, greedy_batch
+
+ANSWERS_FORMAT = 1
+FILE = "answers.safetensors"
+
+
+@dataclass
+class Answers:
+    """Per prompt: `sequences[i]` = prompt + greedy answer, `prompt_lens[i]`, `top[i][t]` the target's top-1
+    after position t; `aux` [N, T, A*H] the captured layers (right-padded to the longest sequence)."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    top: list[list[int]]
+    aux: torch.Tensor
+    path: Path | None = None
+    hit: bool = False
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def disagreements(self) -> int:
+        """Answer tokens that differ from the teacher-forced top-1 before them (0 in float32, where batched
+        generation and the forward agree; a near tie in a low precision can flip)."""
+        return sum(
+            t != s
+            for seq, top, plen in zip(self.sequences, self.top, self.prompt_lens, strict=True)
+            for t, s in zip(top[plen - 1 : len(seq) - 1], seq[plen:], strict=True)
+        )
+
+
+@torch.no_grad()
+def compute_answers(
+    target: Target, prompts: list[list[int]], length: int, stop_ids: tuple[int, ...], aux_layers: list[int]
+) -> Answers:
+    """Greedy answers (batched, `greedy_batch`), then one capture over prompt + answer."""
+    if len(stop_ids) > 1:
+        raise ValueError(f"greedy answers stop at one token; got stop ids {list(stop_ids)}")
+    eos = stop_ids[0] if stop_ids else -1  # -1: no token ends an answer
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outs: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), HF_BATCH):
+        rows = order[start : start + HF_BATCH]
+        batch = greedy_batch(target.model, [prompts[i] for i in rows], [length] * len(rows), eos)
+        for i, out in zip(rows, batch, strict=True):
+            outs[i] = out + [eos] if len(out) < length else out  # greedy_batch drops the eos it stopped at
+    sequences = [p + a for p, a in zip(prompts, outs, strict=True)]
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)  # right-padded: a position reads those before it
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.tensor(seq)
+    aux, top = capture_heldout(target, ids, aux_layers)
+    tops = [row[: len(seq)] for row, seq in zip(top.tolist(), sequences, strict=True)]
+    return Answers(sequences, [len(p) for p in prompts], tops, aux.cpu())
+
+
+def answers_key(target: Target, prompts: list[list[int]], length: int, stop_ids, aux_layers: list[int]) -> str:
+    return short_hash(
+        {
+            "target": target.fingerprint,
+            "dtype": str(target.lm_head_weight.dtype),
+            "device": target.device.type,
+            "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+            "length": length,
+            "stop_ids": list(stop_ids),
+            "aux": list(aux_layers),
+            "format": ANSWERS_FORMAT,
+        }
+    )
+
+
+def suite_answers(
+    target: Target,
+    prompts: list[list[int]],
+    length: int,
+    stop_ids: tuple[int, ...],
+    aux_layers: list[int],
+    cache_dir: str | Path,
+) -> Answers:
+    """The prompts' `Answers` from the cache, or computed once (under a lock, published whole)."""
+    key = answers_key(target, prompts, length, stop_ids, aux_layers)
+    path = Path(cache_dir) / "answers" / key
+    build = functools.partial(_build, target, prompts, length, stop_ids, aux_layers, path, key)
+    _, hit = verified_or_built(path, build)
+    stored = load_file(str(path / FILE))
+    lengths, plens = stored["lengths"].tolist(), stored["prompt_lens"].tolist()
+    ids, top = stored["input_ids"].tolist(), stored["top"].tolist()
+    sequences = [row[:n] for row, n in zip(ids, lengths, strict=True)]
+    if [s[:p] for s, p in zip(sequences, plens, strict=True)] != prompts:
+        raise RuntimeError(f"answer cache {path / FILE}: stored prompts differ from the suite's; delete {path}")
+    tops = [row[:n] for row, n in zip(top, lengths, strict=True)]
+    return Answers(sequences, plens, tops, stored["aux"], path, hit)
+
+
+def _build(target, prompts, length, stop_ids, aux_layers, path: Path, key: str) -> dict:
+    answers = compute_answers(target, prompts, length, stop_ids, aux_layers)
+    return write_answers(answers, path, key, target.fingerprint, aux_layers, length)
+
+
+def write_answers(answers: Answers, path: Path, key: str, fingerprint: str, aux_layers: list[int], length: int) -> dict:
+    """Publish `answers` whole as the entry `path`, with its manifest."""
+    width = answers.aux.shape[1]
+    tensors = {
+        "input_ids": torch.tensor([s + [0] * (width - len(s)) for s in answers.sequences], dtype=torch.int32),
+        "lengths": torch.tensor([len(s) for s in answers.sequences]),
+        "prompt_lens": torch.tensor(answers.prompt_lens),
+        "aux": answers.aux.contiguous(),
+        "top": torch.tensor([t + [0] * (width - len(t)) for t in answers.top], dtype=torch.int32),
+    }
+    with staging_dir(path) as tmp:
+        save_file(tensors, str(tmp / FILE))
+        manifest = {
+            "key": key,
+            "format": ANSWERS_FORMAT,
+            "target": fingerprint,
+            "aux_layers": list(aux_layers),
+            "num_prompts": len(answers),
+            "length": length,
+            "disagreements": answers.disagreements,
+            "shards": [{"file": FILE, "sha256": sha256_file(tmp / FILE)}],
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
