@@ -414,7 +414,7 @@ def before(recorded) -> dict[str, Any]:
 # the rows also run through the real `lab` command in a subprocess: one per verb and per way a verb fails (its
 # config, a file it reads, a store it opens, what it downloads or serves); the other rows run in process
 # through `lab.cli.main`, where the same checks give the same line and exit code without paying a new
-# process's imports (measured: 1,088 s of the in-process rows' 1,799 s before, 258 s after, on 2 cores at load 15)
+# process's imports (measured side by side on 2 cores at load ~15: 1,088 s as subprocesses, 258 s in process)
 SUBPROCESS = {
     "unknown root key",
     "vllm with an mla latent it cannot serve",
