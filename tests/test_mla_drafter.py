@@ -202,6 +202,7 @@ def test_lab_run_trains_an_mla_drafter_on_micro_mla(micro_overrides, micro_mla_t
     (run,) = mlflow.search_runs(experiment_names=["mla-drafter-test"], output_format="list")
     metrics, params = run.data.metrics, run.data.params
     assert run.info.status == "FINISHED" and params["drafter.attention"] == "mla"
+    assert params["target.arch"] == "deepseek_v3"
     assert params["drafter.q_lora_rank"] == "None"  # the dims are the target's (its q_lora_rank: 32)
     assert math.isfinite(metrics["train/loss"]) and metrics["eval/in_dist/ref/k3/exact_match"] == 1.0
     # AL is 1 + the per-position acceptance summed over the k = 3 positions

@@ -403,7 +403,7 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
         tmp_path,
         "resume",
         "space: {train.lr: {low: 1.0e-3, high: 1.0e-2, log: true}}\nsampler: {name: tpe, seed: 0}\n"
-        "trials: 4\nobjectives: [eval/in_dist/ref/k3/al]\n",
+        "trials: 3\nobjectives: [eval/in_dist/ref/k3/al]\n",
     )
     sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
@@ -428,17 +428,17 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
     resumed = _launch(sweep, extra)
     study = _study(sweep, extra)
     states = [t.state.name for t in study.trials]
-    assert states.count("COMPLETE") == 4 and states.count("FAIL") == 1 and len(states) == 5
+    assert states.count("COMPLETE") == 3 and states.count("FAIL") == 1 and len(states) == 4
     retry = next(t for t in study.trials if t.system_attrs.get("failed_trial") == killed.number)
     assert retry.params == killed.params and retry.state.name == "COMPLETE"  # the same point, run again
-    assert sorted(_slots(study)) == [(p, 0) for p in range(4)]
+    assert sorted(_slots(study)) == [(p, 0) for p in range(3)]
     runs = _children(extra, resumed.parent_run_id)
     dead = next(r for r in runs if r.info.run_id == killed.user_attrs["mlflow_run_id"])
     assert dead.info.status == "FAILED"  # the killed worker's run does not stay RUNNING forever
 
-    more = _launch(sweep, extra, trials=6)
-    assert more.parent_run_id == resumed.parent_run_id and more.ran == 2 and more.counts["complete"] == 6
-    assert _launch(sweep, extra, trials=6).ran == 0
+    more = _launch(sweep, extra, trials=4)
+    assert more.parent_run_id == resumed.parent_run_id and more.ran == 1 and more.counts["complete"] == 4
+    assert _launch(sweep, extra, trials=4).ran == 0
 
 
 @pytest.mark.slow
