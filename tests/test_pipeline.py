@@ -128,19 +128,20 @@ def test_lab_run_smollm2_smoke(workdir):
 
 
 def test_warm_caches_builds_what_the_runs_then_find(micro_overrides, micro_target):
-    """What a study warms before its workers start (lab/sweep/engine.py) is the runs' own hidden-state cache:
-    built once by the first call, found by the next."""
+    """What a study warms before its workers start (lab/sweep/engine.py) is the runs' own hidden-state cache and
+    the suites' greedy answers (eval.decoder=replay): built once by the first call, found by the next."""
     from lab.config.composition import compose
     from lab.pipeline import warm_caches
 
     cfg = compose([*micro_overrides, "data.num_sequences=24"])  # a selection no other test caches
-    hidden = Path(cfg.cache_dir) / "hidden"
-    before = set(hidden.glob("*"))
-    assert set(warm_caches(cfg, progress=False)) == {"target", "data", "cache", "heldout", "suites"}
-    built = set(hidden.glob("*")) - before
-    assert len([p for p in built if (p / "manifest.json").is_file()]) == 1
+    caches = [Path(cfg.cache_dir) / "hidden", Path(cfg.cache_dir) / "answers"]
+    before = [set(c.glob("*")) for c in caches]
+    assert set(warm_caches(cfg, progress=False)) == {"target", "data", "cache", "heldout", "suites", "answers"}
+    built = [set(c.glob("*")) - b for c, b in zip(caches, before, strict=True)]
+    assert len([p for p in built[0] if (p / "manifest.json").is_file()]) == 1
+    assert any(caches[1].glob("*/manifest.json"))  # the answers (built here, or by an earlier test's same suites)
     warm_caches(cfg, progress=False)
-    assert set(hidden.glob("*")) - before == built
+    assert [set(c.glob("*")) - b for c, b in zip(caches, before, strict=True)] == built
 
 
 def _store(path: Path) -> list[str]:
