@@ -15,6 +15,9 @@ PLATFORM ?= manylinux_2_28_x86_64
 ASSETS ?=
 # `make wheelhouse HAVE=FILE`: the target machine's `pip freeze` (or a list of names); what it has is left out
 HAVE ?=
+# `make test`: the suite on TEST_WORKERS pytest-xdist processes (CI's 2 cores), each training at one thread
+# (LAB_TEST_THREADS=1; docs/testing.md: the verdicts are the same at 1 and 2); TEST_WORKERS=0: one process
+TEST_WORKERS ?= 2
 
 .PHONY: install install-offline wheelhouse browser postgres test test-fast demo lint clean-cache
 
@@ -51,7 +54,7 @@ postgres:
 	bash scripts/postgres.sh install || echo "(no PostgreSQL: tests/test_postgres.py will skip)"
 
 test: $(STAMP) browser postgres
-	$(PY) -m pytest -q -ra
+	LAB_TEST_THREADS=$${LAB_TEST_THREADS:-1} $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow"

@@ -18,6 +18,24 @@ from lab.config.shape import aux_layers
 MICRO = ["profile=micro"]
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). A file runs whole on one worker,
+# so its module fixtures are built once; files that share a costly session fixture run on the same worker, so it
+# is built once too (micro_study, micro_mla_target, the converted SmolLM2 in the session's cache), and the
+# PostgreSQL server that the `postgres` fixture starts and stops belongs to one worker's tests only.
+SAME_WORKER = {
+    "test_ui": "test_ablate",  # micro_study
+    "test_target_families": "test_mla_drafter",  # micro_mla_target
+    "test_real_data": "test_pipeline",  # SmolLM2 and the pinned wheels in workdir's cache
+    "test_postgres": "test_concurrency",  # postgres
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(module, module)))
+
+
 @pytest.fixture(autouse=True)
 def _stated_threads():
     """Each test starts at the stated thread count (tests/helpers.py `TEST_THREADS`), whatever the test before it

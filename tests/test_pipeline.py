@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TEST_THREADS
 
 VLLM = ["eval.backends=[ref,vllm]", "eval.vllm.concurrency=[1,4]"]
 
@@ -102,7 +103,8 @@ def test_lab_run_smollm2_smoke(workdir):
         f"cache_dir={workdir / 'cache'}",
         f"tracking.uri=sqlite:///{store / 'mlflow.db'}",
         f"tracking.artifact_root={store / 'artifacts'}",
-        "threads=2",
+        f"threads={TEST_THREADS}",
+        "data.generator=hf",  # vLLM regenerates in tests/test_regenerate.py; its engine costs a minute here
     ]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     proc = subprocess.run(
