@@ -111,29 +111,19 @@ def test_agreeing_heads_accept_every_draft(micro_target, suite, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def vllm_metrics(request, micro_target, suite, tmp_path_factory):
-    """vLLM's metrics of each trained arm, once per module: eagle3 exported in the native format,
-    eagle31 in the speculators format."""
-    cache = {}
-
-    def get(arm: str):
-        if arm not in cache:
-            drafter, _ = request.getfixturevalue(f"trained_{arm}")
-            fmt = "native" if arm == "eagle3" else "speculators"
-            cache[arm] = vllm_eval(micro_target.path, drafter, suite, tmp_path_factory.mktemp(arm), fmt=fmt)
-        return cache[arm]
-
-    return get
+def vllm_metrics(micro_target, trained_eagle31, suite, tmp_path_factory):
+    """vLLM's metrics of the trained EAGLE 3.1 drafter exported in the speculators format, once per module."""
+    folder = tmp_path_factory.mktemp("eagle31")
+    return vllm_eval(micro_target.path, trained_eagle31[0], suite, folder, fmt="speculators")
 
 
-@pytest.mark.parametrize("arm", ["eagle3", "eagle31"])
-def test_vllm_al_matches_the_reference_decoder(arm, request, micro_target, suite, vllm_metrics):
-    drafter, _ = request.getfixturevalue(f"trained_{arm}")
-    metrics = vllm_metrics(arm)
+def test_vllm_al_matches_the_reference_decoder(micro_target, trained_eagle31, suite, vllm_metrics):
+    """EAGLE 3.1 here; EAGLE-3's parity is the plain checkpoint's test below (the same weights)."""
+    drafter, _ = trained_eagle31
     reference = ref_al(micro_target, drafter, suite)
     assert reference > 1.3  # trained: most rounds accept something, so parity is not trivially 1 == 1
-    assert metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(reference, rel=0.03)
-    assert metrics["eval/in_dist/vllm/k3/exact_match"] == 1.0
+    assert vllm_metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(reference, rel=0.03)
+    assert vllm_metrics["eval/in_dist/vllm/k3/exact_match"] == 1.0
 
 
 def test_vllm_equals_the_reference_on_a_structured_mla_pair_that_accepts_in_part(tmp_path):
@@ -199,7 +189,7 @@ def test_vllm_honours_each_eagle31_toggle(toggle, micro_target, trained_eagle31,
     switched = load_checkpoint(ckpt)
     assert getattr(switched.spec, toggle) in ("none", False)
 
-    on = vllm_metrics("eagle31")["eval/in_dist/vllm/k3/al"]
+    on = vllm_metrics["eval/in_dist/vllm/k3/al"]
     off = vllm_eval(micro_target.path, switched, suite, tmp_path, checkpoint=ckpt)["eval/in_dist/vllm/k3/al"]
     reference_on, reference_off = ref_al(micro_target, drafter, suite), ref_al(micro_target, switched, suite)
     assert off != on
@@ -240,7 +230,9 @@ def test_plain_eagle3_checkpoint_loads_and_evaluates_unchanged(micro_target, tra
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     metrics = vllm_eval(micro_target.path, loaded, suite, tmp_path, checkpoint=plain)
-    assert metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(ref_al(micro_target, loaded, suite), rel=0.03)
+    reference = ref_al(micro_target, loaded, suite)
+    assert reference > 1.3  # trained: most rounds accept something, so parity is not trivially 1 == 1
+    assert metrics["eval/in_dist/vllm/k3/al"] == pytest.approx(reference, rel=0.03)
 
 
 def test_layernorm_drafter_is_refused(micro_target, suite, tmp_path):
