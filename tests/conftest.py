@@ -18,22 +18,32 @@ from lab.config.shape import aux_layers
 MICRO = ["profile=micro"]
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). A file runs whole on one worker,
-# so its module fixtures are built once; files that share a costly session fixture run on the same worker, so it
-# is built once too (micro_study, micro_mla_target, the converted SmolLM2 in the session's cache), and the
-# PostgreSQL server that the `postgres` fixture starts and stops belongs to one worker's tests only.
+# `make test` runs the suite on pytest-xdist workers (`-n 3 --dist loadgroup`). A file runs whole on one worker, so
+# its module fixtures are built once; files that share a costly session fixture run on the same worker, so it is
+# built once too (micro_study, micro_mla_target, the converted SmolLM2 in the session's cache), and the PostgreSQL
+# server that the `postgres` fixture starts and stops belongs to one worker's tests only.
 SAME_WORKER = {
     "test_ui": "test_ablate",  # micro_study
     "test_target_families": "test_mla_drafter",  # micro_mla_target
     "test_real_data": "test_pipeline",  # SmolLM2 and the pinned wheels in workdir's cache
     "test_postgres": "test_concurrency",  # postgres
 }
+# Workers take the groups in collection order, so the longest go first and none is left to run alone at the end:
+# seconds per group on one worker (JUnit of `make test` on 2 cores); groups not named here are short and follow.
+GROUP_SECONDS = {
+    "test_concurrency": 745, "test_pipeline": 455, "test_vllm": 400, "test_sweep": 316, "test_fuzz_input": 250,
+    "test_imported_drafters": 184, "test_atomic_writes": 181, "test_ablate": 164, "test_mla_drafter": 113,
+}  # fmt: skip
 
 
-def pytest_collection_modifyitems(items):
+def _group(item: pytest.Item) -> str:
+    return SAME_WORKER.get(item.path.stem, item.path.stem)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        module = item.path.stem
-        item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(module, module)))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item), 0))  # stable: each file keeps its order
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +56,14 @@ def _stated_threads():
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("lab")
+    folder = tmp_path_factory.mktemp("lab")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the workers share their built targets: each is built once, the others waiting on its lock in the cache
+        shared = tmp_path_factory.getbasetemp().parent / "targets"
+        shared.mkdir(exist_ok=True)
+        (folder / "cache").mkdir()
+        (folder / "cache" / "targets").symlink_to(shared, target_is_directory=True)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -218,12 +218,13 @@ def one_at_a_time(tmp_path_factory, cache) -> Path:
 
 
 @pytest.mark.slow
-def test_mixed_verbs_at_once_on_a_fresh_then_an_existing_sqlite_store(one_at_a_time, cache):
+def test_mixed_verbs_at_once_on_a_fresh_then_an_existing_sqlite_store(one_at_a_time, cache, micro_target):
     root = one_at_a_time.parent / "sqlite"
     root.mkdir()
     # a cache of its own, the target copied in (building it takes longer than all the rest): the hidden states
     # and the held-out states are built by whichever process comes first while the others wait and load them
-    shutil.copytree(cache / "targets", root / "cache" / "targets")
+    built = micro_target.path.parent
+    shutil.copytree(built, root / "cache" / "targets" / built.name)
     store, uri = _store(root, root / "cache"), _sqlite(root)
 
     # a fresh store and a fresh cache: two runs, the same ablation launched twice (once with a worker
