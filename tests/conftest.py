@@ -36,14 +36,31 @@ GROUP_SECONDS = {
 }  # fmt: skip
 
 
-def _group(item: pytest.Item) -> str:
-    return SAME_WORKER.get(item.path.stem, item.path.stem)
+def _group(path: str | Path) -> str:
+    """The worker group of a test file: its name, or the file it shares a worker with."""
+    stem = Path(path).stem
+    return SAME_WORKER.get(stem, stem)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
-    items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item), 0))  # stable: each file keeps its order
+    items.sort(key=lambda item: -GROUP_SECONDS.get(_group(item.path), 0))  # stable: each file keeps its order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` by `_group`: a group's tests on one worker, the groups taken in collection order. (xdist's
+    own loadgroup writes a marker's group into the test's node id, which pytest 9.2's node ids no longer take: the
+    tests of one file then ran on several workers.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::")[0])
+
+    config.option.loadscopereorder = False  # the order above, not xdist's most-tests-first
+    return FileGroups(config, log)
 
 
 @pytest.fixture(autouse=True)
