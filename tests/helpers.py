@@ -72,11 +72,12 @@ def small_target(seed: int = 0):
 HOLD_DIR = Path(__file__).resolve().parent / "hold"  # its sitecustomize.py holds training where a test says
 
 
-def hold_training(env: dict[str, str], step: int, flag: Path) -> dict[str, str]:
-    """`env` for a `lab` process (and the processes it starts) whose training stops after `step`, creates
-    `flag` and waits for Ctrl-C (tests/hold/sitecustomize.py): the test interrupts it at a point it controls."""
+def hold_training(env: dict[str, str], step: int, flag: Path, call: int = 1) -> dict[str, str]:
+    """`env` for a `lab` process (and the processes it starts) whose `call`-th training in a process stops after
+    `step`, creates `flag` and waits for Ctrl-C (tests/hold/sitecustomize.py): the test interrupts it at a point
+    it controls."""
     path = os.pathsep.join(p for p in (str(HOLD_DIR), env.get("PYTHONPATH", "")) if p)
-    return {**env, "PYTHONPATH": path, "LAB_HOLD_AFTER_STEP": f"{step}:{flag}"}
+    return {**env, "PYTHONPATH": path, "LAB_HOLD_AFTER_STEP": f"{call}:{step}:{flag}"}
 
 
 def default_sigint() -> None:

@@ -407,19 +407,19 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
     )
     sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
     cmd = [sys.executable, "-m", "lab.cli", "sweep", f"sweep={path}", "--no-progress", *extra]
-    log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log, held = open(tmp_path / "killed.log", "w"), tmp_path / "held"
+    # the third trial's training waits after its first step (its MLflow run open) until killed, however fast
+    # the machine is: polling for that moment raced a fast third trial on a loaded machine
+    env = hold_training(dict(os.environ), 1, held, call=3)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.time() + 600
     try:
-        while time.time() < deadline:  # kill it hard while its third trial's MLflow run is open
-            if os.path.exists(_journal(extra)):
-                trials = _study(sweep, extra).trials
-                complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
-                running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
-                if len(complete) == 2 and running and "mlflow_run_id" in running[0].user_attrs:
-                    break
-            assert proc.poll() is None, "ended early:\n" + (tmp_path / "killed.log").read_text()[-3000:]
-            time.sleep(0.5)
+        while not held.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.3)
+        trials = _study(sweep, extra).trials
+        assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "RUNNING"]
+        assert "mlflow_run_id" in trials[2].user_attrs
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait()

@@ -1,6 +1,7 @@
 """A test's hold on training, in every Python process started with this folder on PYTHONPATH (Python imports
-`sitecustomize` at startup; tests/helpers.py `hold_training` sets both): with LAB_HOLD_AFTER_STEP=N:FILE, the
-trainer (lab/train/ttt.py) stops after its N-th step of the call, creates FILE and waits there until Ctrl-C,
+`sitecustomize` at startup; tests/helpers.py `hold_training` sets both): with LAB_HOLD_AFTER_STEP=C:N:FILE, the
+trainer (lab/train/ttt.py) stops after its N-th step of its C-th call in the process, creates FILE and waits
+there until Ctrl-C (or a kill),
 so that a test interrupts training at a point it controls however fast the machine trains. It reaches the
 `lab` processes a command starts itself (a sweep's workers) through their inherited environment; lab has no
 such hook of its own.
@@ -24,11 +25,15 @@ RESUME = "lab.train.resume"
 
 
 def _held(base: type) -> type:
-    step, flag = os.environ[HOLD_ENV].split(":", 1)
+    call, step, flag = os.environ[HOLD_ENV].split(":", 2)
 
     class HeldStopRequest(base):
+        calls = 0  # the trainer's calls in this process so far (a sweep's trials run one after another)
+
         def __init__(self) -> None:
-            self._steps, self._held, self._requested = 0, False, False
+            HeldStopRequest.calls += 1
+            self._steps, self._requested = 0, False
+            self._held = HeldStopRequest.calls != int(call)  # only the call-th training holds
             super().__init__()
 
         @property
