@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +80,15 @@ def hold_training(env: dict[str, str], step: int, flag: Path, call: int = 1) -> 
     it controls."""
     path = os.pathsep.join(p for p in (str(HOLD_DIR), env.get("PYTHONPATH", "")) if p)
     return {**env, "PYTHONPATH": path, "LAB_HOLD_AFTER_STEP": f"{call}:{step}:{flag}"}
+
+
+def wait_held(proc: subprocess.Popen, flag: Path, log: Path, timeout: float = 600) -> None:
+    """Until the training `hold_training` holds creates `flag`; fails with the end of `log` if `proc` ends first or
+    `timeout` seconds pass."""
+    deadline = time.time() + timeout
+    while not flag.exists():
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
 
 
 def default_sigint() -> None:

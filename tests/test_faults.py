@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import default_sigint, hold_training, small_drafter
+from helpers import default_sigint, hold_training, small_drafter, wait_held
 
 from lab import track
 from lab.config.composition import compose
@@ -182,10 +181,7 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
         # training waits after step 7 (its step-5 checkpoint written) until interrupted (tests/hold/sitecustomize.py)
         hold = hold_training(env, 7, held)
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, env=hold, cwd=workdir, preexec_fn=default_sigint)
-        deadline = time.time() + 150
-        while not held.exists():
-            assert proc.poll() is None and time.time() < deadline, err.read_text()[-3000:]
-            time.sleep(0.05)
+        wait_held(proc, held, err, timeout=150)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 130, err.read_text()[-3000:]
     lines = err.read_text().strip().splitlines()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import default_sigint, hold_training
+from helpers import default_sigint, hold_training, wait_held
 
 from lab import track
 from lab.config import ConfigError, redact
@@ -412,11 +412,8 @@ def test_killed_sweep_resumes_to_exactly_its_total_budget(tmp_path, micro_overri
     # the machine is: polling for that moment raced a fast third trial on a loaded machine
     env = hold_training(dict(os.environ), 1, held, call=3)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    deadline = time.time() + 600
     try:
-        while not held.exists():
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-            time.sleep(0.3)
+        wait_held(proc, held, tmp_path / "killed.log")
         trials = _study(sweep, extra).trials
         assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "RUNNING"]
         assert "mlflow_run_id" in trials[2].user_attrs
@@ -550,11 +547,8 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     proc = subprocess.Popen(
         cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env, preexec_fn=default_sigint
     )
-    deadline = time.time() + 600
     try:
-        while not held.exists():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(0.3)
+        wait_held(proc, held, log)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
         assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
     finally:
