@@ -94,6 +94,12 @@ def exact_match(suite: str, k: int, backend: Backend = "ref") -> str:
     return f"eval/{suite}/{_one_of(backend, Backend)}/k{k}/exact_match"
 
 
+def replay_agreement(suite: str, k: int) -> str:
+    """`eval.decoder=replay` only: the share of the timed prompts whose decoded rounds and accepted drafts per
+    position equal the replay's (1.0 in float32; in bfloat16 a near tie can flip a token)."""
+    return f"eval/{suite}/ref/k{k}/replay_agreement"
+
+
 def speedup(suite: str, k: int) -> str:
     """Reference decoder: wall clock of plain decoding over speculative decoding of the same prompts."""
     return f"eval/{suite}/ref/k{k}/speedup"

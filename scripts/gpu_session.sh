@@ -53,8 +53,10 @@ stage() {  # stage NAME LOG LIMIT COMMAND...: run it under its time limit, log i
     shift 3
     start=$(date +%s)
     echo "== $name: $*" >>"$OUT/$log"
-    timeout --kill-after=10 "$limit" "$@" >>"$OUT/$log" 2>&1
-    rc=$?
+    # each line stamped with the time of day: where a stage's time went, in any log
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
+        >>"$OUT/$log"
+    rc=${PIPESTATUS[0]}
     [ $rc = 124 ] && echo "== $name: stopped at its limit of $limit s" >>"$OUT/$log"
     rows+=("| $name | $rc | $(($(date +%s) - start)) s | \`$*\` |")
     tail -n 3 "$OUT/$log"

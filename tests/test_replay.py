@@ -117,6 +117,26 @@ def test_the_replay_equals_the_decoder_round_by_round(micro_target, suites, draf
     assert differences(decoded, _replayed(drafter, late))
 
 
+def test_a_replayed_run_checks_itself_on_its_timed_prompts(micro_target, suites, trained_eagle31):
+    """A replayed evaluation decodes its timed prompts: it logs the share whose rounds equal the replay's (what
+    a bfloat16 run on a GPU reports) and keeps the decoder's counts beside the replay's in the per-prompt file."""
+    from lab.eval.run import evaluate_suite_prompts
+
+    drafter = trained_eagle31[0]
+    suite, answers = suites[2]  # template: several variants, so the per-variant keys too
+    run = evaluate_suite_prompts(micro_target.model, drafter, suite, KS, answers=answers, timed=[0, 1])
+    agree = {key: v for key, v in run.metrics.items() if key.endswith("/replay_agreement")}
+    assert agree and set(agree.values()) == {1.0} and f"eval/{suite.name}/ref/k8/replay_agreement" in agree
+    records = run.per_prompt["prompts"]
+    assert [("decoded" in r["k"]["3"]) for r in records] == [i in (0, 1) for i in range(len(records))]
+    assert records[0]["k"]["8"]["decoded"]["rounds"] == records[0]["k"]["8"]["rounds"]
+
+    # it can fail: the answers' features one position late make the replay count other rounds
+    late = dataclasses.replace(answers, aux=answers.aux.roll(1, dims=1))
+    run = evaluate_suite_prompts(micro_target.model, drafter, suite, KS, answers=late, timed=[0, 1])
+    assert run.metrics[f"eval/{suite.name}/ref/k8/replay_agreement"] < 1.0
+
+
 def test_the_answer_cache_is_reused_rebuilt_when_damaged_and_refused_when_mismatched(micro_target, tmp_path, capsys):
     prompts, stops, layers = [[1, 5, 9, 13], [2, 6, 10]], (micro_target.tokenizer.eos_token_id,), [1, 2, 3]
     first = suite_answers(micro_target, prompts, 12, stops, layers, tmp_path)

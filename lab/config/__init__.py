@@ -315,7 +315,9 @@ class EvalConfig:
     # replay: acceptance and drift of every prompt replayed from the target's cached greedy answers (equal to
     # the decoder's), the decoder timing `timed_prompts` per suite; sequential: the decoder on every prompt
     decoder: Decoder = Decoder.replay
-    timed_prompts: int = checked(1, **POSITIVE)  # per suite, with eval.decoder=replay
+    # per suite, with eval.decoder=replay; 0: none (no timing keys), where the decoder's batch-1 steps are
+    # host-bound and their seconds say little (profile=gpu: the stage benchmark times the card)
+    timed_prompts: int = checked(1, min=0)
     n_sink: int = checked(1, **POSITIVE)  # leading positions counted as the attention sink
     # teacher-forced rollout depth; None = max(3 x train.ttt_length, max k)
     rollout_depth: int | None = checked(None, **POSITIVE)

@@ -97,6 +97,9 @@ def evaluate_suite_prompts(
             record: dict[str, Any] = {"rounds": st.rounds, "accepted": st.accepted, "accepted_at": list(st.accepted_at)}
             if k in tally.drift:
                 record["drift"] = tally.drift[k].sums()
+            if answers is not None and index in decoded:  # a timed prompt: what the decoder counted beside it
+                got = decoded[index].stats[k]
+                record["decoded"] = {"rounds": got.rounds, "accepted": got.accepted, "accepted_at": got.accepted_at}
             by_k[str(k)] = record
         records.append({"index": index, "id": prompt_id(prompt), "variant": variant, "k": by_k})
 
@@ -107,12 +110,22 @@ def evaluate_suite_prompts(
                 total.merge(tally)
         return total
 
+    def agreement(name: str, variant: str | None) -> Metrics:
+        """Replay only: on the timed prompts, the share whose decoded rounds equal the replay's, per k."""
+        timed_here = [i for i in decoded if variant is None or suite.variants[i] == variant]
+        if answers is None or not timed_here:
+            return {}
+        same = {k: sum(_same_rounds(decoded[i].stats[k], counted[i].stats[k]) for i in timed_here) for k in ks}
+        return {metric_keys.replay_agreement(name, k): same[k] / len(timed_here) for k in ks}
+
     metrics = pooled(counted, None).metrics(suite.name, temperature, pooled(decoded, None))
+    metrics.update(agreement(suite.name, None))
     variants = list(dict.fromkeys(suite.variants))
     if len(variants) > 1:
         for variant in variants:
             name = metric_keys.suite_variant(suite.name, variant)
             metrics.update(pooled(counted, variant).metrics(name, temperature, pooled(decoded, variant)))
+            metrics.update(agreement(name, variant))
     per_prompt = {
         "format": PER_PROMPT_FORMAT,
         "suite": suite.name,
@@ -123,6 +136,10 @@ def evaluate_suite_prompts(
         "prompts": records,
     }
     return Evaluation(metrics, per_prompt)
+
+
+def _same_rounds(a: DecodeStats, b: DecodeStats) -> bool:
+    return (a.rounds, a.accepted, list(a.accepted_at)) == (b.rounds, b.accepted, list(b.accepted_at))
 
 
 def _decode(
