@@ -9,8 +9,11 @@ launch replays the whole step.
 A graph holds fixed shapes and addresses, so every batch is padded to a bucket: its rows to the next of
 `ROW_BUCKETS` (the extra rows decode a one-token dummy prompt, and are dropped) and its cache to the next power
 of two from `MIN_LENGTH` tokens. A bucket's cache and inputs are allocated once and kept for the model's life
-(reset between batches), so a bucket compiles and records once; dynamo's recompile limit is raised to cover
-every bucket, so that no bucket falls back to eager halfway through a run.
+(reset between batches), so a bucket records its CUDA graph once. The step compiles once for every bucket
+(`dynamic=True`: rows and length are symbols; dynamo specializes a size of 1, so one row is a second compile):
+compiled per bucket, each took 34 s for SmolLM2 on an H200 and regeneration at `profile=gpu` met six
+(docs/results/gpu/2026-11-28-h200.md; benchmarks/static_compile.py compares the two on any device). Dynamo's
+recompile limit is raised all the same, so that no bucket falls back to eager halfway through a run.
 
 Rows never leave the batch (the graph's shape is fixed): they all step until every row has finished or the
 longest limit is reached, which on a GPU costs little (a step costs about the same for 16 rows or 256). On a
@@ -32,6 +35,7 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a batch's rows, padded up; 512 is lab.
 MIN_LENGTH = 256  # the shortest cache; longer ones double
 CHECK_EVERY = 16  # steps between two looks at whether every row has finished (each look waits for the GPU)
 RECOMPILE_LIMIT = 64  # at least every (rows, length) bucket a run can meet
+DYNAMIC = True  # one compile for every bucket; False: one a bucket (as before 2026-11-28)
 
 
 def row_bucket(rows: int) -> int:
@@ -49,15 +53,21 @@ def length_bucket(tokens: int) -> int:
     return max(MIN_LENGTH, 1 << (max(1, tokens) - 1).bit_length())
 
 
-def compile_step(step: Callable, device: torch.device) -> Callable:
+def compile_step(step: Callable, device: torch.device, dynamic: bool = True) -> Callable:
     """The step as it runs on `device`: compiled into CUDA graphs on CUDA (`fullgraph`: a graph break would
-    leave eager launches in every step; `dynamic=False`: one static graph per bucket), as it is elsewhere."""
+    leave eager launches in every step; `dynamic`: one compile over every bucket's shapes, each bucket then
+    recording its own graph), as it is elsewhere."""
     if device.type != "cuda":
         return step
+    return compiled(step, "reduce-overhead", dynamic)
+
+
+def compiled(step: Callable, mode: str | None = None, dynamic: bool = True) -> Callable:
+    """`torch.compile` of the step, with dynamo's recompile limit raised to cover every bucket."""
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    return torch.compile(step, mode=mode, fullgraph=True, dynamic=dynamic)
 
 
 @dataclass
@@ -73,7 +83,7 @@ class _Stepper:
         self.model_ref = weakref.ref(model)  # the stepper lives in a WeakKeyDictionary keyed by the model
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         device = model.get_output_embeddings().weight.device
-        self.step = compile_step(self._step, device)
+        self.step = compile_step(self._step, device, DYNAMIC)
 
     def _step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
         logits = self.model_ref()(
@@ -93,7 +103,7 @@ class _Stepper:
             mask = torch.zeros((rows, length), dtype=torch.long, device=device)
             if device.type == "cuda":
                 torch._dynamo.mark_static_address(mask)
-                # each bucket compiles its step (about 34 s for SmolLM2 on an H200): a log line says where
+                # a bucket records its CUDA graph (and the first, or the first of one row, compiles): say where
                 print(f"static KV cache: a new bucket, {rows} rows x {length} positions", file=sys.stderr, flush=True)
             self.buckets[key] = _Bucket(cache, mask)
         else:
