@@ -98,14 +98,15 @@ def constant_pair(micro_target, tmp_path):
 
 
 def test_agreeing_heads_accept_every_draft(micro_target, suite, tmp_path):
+    """One depth (each k is an engine of its own, the target's another): every draft of 5 accepted."""
     path, model, drafter = constant_pair(micro_target, tmp_path)
-    metrics = vllm_eval(path, drafter, suite, tmp_path, ks=(2, 5), throughput=True)
-    for k in (2, 5):
-        assert metrics[f"eval/in_dist/vllm/k{k}/al"] == k + 1  # exactly: every draft accepted
-        assert metrics[f"eval/in_dist/vllm/k{k}/accept_rate"] == [1.0] * k
-        assert metrics[f"eval/in_dist/vllm/k{k}/exact_match"] == 1.0
-        for c in (1, 4):
-            assert metrics[f"eval/in_dist/vllm/k{k}/c{c}/speedup"] > 0
+    k = 5
+    metrics = vllm_eval(path, drafter, suite, tmp_path, ks=(k,), throughput=True)
+    assert metrics[f"eval/in_dist/vllm/k{k}/al"] == k + 1  # exactly: every draft accepted
+    assert metrics[f"eval/in_dist/vllm/k{k}/accept_rate"] == [1.0] * k
+    assert metrics[f"eval/in_dist/vllm/k{k}/exact_match"] == 1.0
+    for c in (1, 4):
+        assert metrics[f"eval/in_dist/vllm/k{k}/c{c}/speedup"] > 0
     ref = evaluate_suite(model, drafter, suite, [2], progress=False)
     assert ref["eval/in_dist/ref/k2/al"] == 3
 

