@@ -8,7 +8,8 @@
 #                                       HAVE=scripts/device-packages.txt          # ~56 MiB: fits one call
 # There:                           bash scripts/gpu_session.sh [OUT_DIR]
 # Outputs, at most 8 files in OUT_DIR: session.md (device and table), install.log, tier.log, tier.xml (JUnit),
-# stages.log, RESULTS.md, and smollm2.log where the SmolLM2 stages ran.
+# stages.log (the stage benchmark, the static cache's compile and the replay's bfloat16 agreement: CHECKS names
+# which of tier, stages, compile and agreement run), RESULTS.md, and smollm2.log where the SmolLM2 stages ran.
 #
 # `bash scripts/gpu_session.sh study [OUT_DIR]`: the study instead of the check. It installs, runs
 # `lab ablate experiment=drift_2x2 profile=gpu --seeds 0` (configs/profile/gpu.yaml: 8 minutes on an H100,
@@ -103,9 +104,16 @@ if [ "$MODE" = study ]; then
 else
     timeouts=()
     "$PY" -c 'import pytest_timeout' 2>/dev/null && timeouts=(-p timeout --timeout "$TEST_LIMIT")
-    stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu tests/test_gpu.py "${timeouts[@]}" \
-        --junitxml "$OUT/tier.xml" -o junit_family=xunit1
-    stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
+    # CHECKS: which of the check's stages run (a session short of device time drops the tier)
+    checks=" ${CHECKS:-tier stages compile agreement} "
+    [[ $checks = *" tier "* ]] && stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu \
+        tests/test_gpu.py "${timeouts[@]}" --junitxml "$OUT/tier.xml" -o junit_family=xunit1
+    [[ $checks = *" stages "* ]] && stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
+    # the static cache's step compiled once for every bucket against once a bucket, side by side
+    [[ $checks = *" compile "* ]] && stage static-compile stages.log 300 "$PY" benchmarks/static_compile.py
+    # the replay against the decoder in bfloat16 (issue 54): the micro target, a drafter trained on the device
+    [[ $checks = *" agreement "* ]] && stage bf16-agreement stages.log 300 "$PY" benchmarks/eval_speed.py \
+        profile=micro device=cuda dtype=bfloat16 --runs 1
 
     if [ -n "${LAB_WHEELS:-}" ]; then
         stage smoke smollm2.log 300 "$PY" -m lab.cli run profile=smoke device=cuda "${store[@]}"
@@ -128,6 +136,6 @@ fi
         echo "    lab report experiment=drift_2x2 ${study[*]} --seeds $SEEDS --out docs/results/gpu/drift_2x2"
         echo "    lab paper ${study[*]} --experiment drift_2x2 --out docs/results/paper_gpu.md"
     else
-        grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tier.log" | tail -n 30
+        grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tier.log" 2>/dev/null | tail -n 30
     fi
 } | tee "$OUT/session.md"

@@ -399,7 +399,7 @@ def fake_cuda(monkeypatch) -> Iterator[Report]:  # noqa: ANN001
     # no CUDA graphs on labelled tensors: the static KV cache's step runs uncompiled (its syncs are counted alike)
     from lab.target import static_decode
 
-    monkeypatch.setattr(static_decode, "compile_step", lambda step, device: step)
+    monkeypatch.setattr(static_decode, "compile_step", lambda step, device, dynamic: step)
     lift = torch._C._only_lift_cpu_tensors()
     # torch.tensor(data, device="cuda") makes its tensor on the CPU and moves it through the mode (as
     # FakeTensorMode has it), rather than asking the absent CUDA allocator
