@@ -52,22 +52,18 @@ def main() -> None:
         raise SystemExit(f"--wheels: {used / 2**20:.1f} MiB, over one call's {room / 2**20:.1f} MiB beside the tree")
     call = 1
     for asset in sorted(args.assets.glob("*.whl"), key=lambda p: p.stat().st_size):  # the small ones whole, first
-        data, size = asset.read_bytes(), asset.stat().st_size
-        parts = 0
-        offset = 0
-        while offset < size:
-            left = room - used
-            if left <= 0:
-                call, used, left = call + 1, 0, room
-            whole = offset == 0 and size <= left
-            chunk = data[offset : offset + (size if whole else left)]
+        data = asset.read_bytes()
+        whole = len(data) <= room - used
+        for part in range(26):  # a wheel that does not fit what is left: part-aa, -ab, ... filling each call
+            if used >= room:
+                call, used = call + 1, 0
+            chunk, data = data[: room - used], data[room - used :]
             folder = args.out / f"call{call}" / "assets"
             folder.mkdir(parents=True, exist_ok=True)
-            name = asset.name if whole else f"{asset.name}.part-a{chr(ord('a') + parts)}"
-            (folder / name).write_bytes(chunk)
-            parts += 0 if whole else 1
-            offset += len(chunk)
+            (folder / (asset.name if whole else f"{asset.name}.part-a{chr(ord('a') + part)}")).write_bytes(chunk)
             used += len(chunk)
+            if not data:
+                break
     for folder in sorted(args.out.glob("call*")):
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         size = sum(p.stat().st_size for p in files)

@@ -35,7 +35,6 @@ ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a batch's rows, padded up; 512 is lab.
 MIN_LENGTH = 256  # the shortest cache; longer ones double
 CHECK_EVERY = 16  # steps between two looks at whether every row has finished (each look waits for the GPU)
 RECOMPILE_LIMIT = 64  # at least every (rows, length) bucket a run can meet
-DYNAMIC = True  # one compile for every bucket; False: one a bucket (as before 2026-11-28)
 
 
 def row_bucket(rows: int) -> int:
@@ -53,7 +52,7 @@ def length_bucket(tokens: int) -> int:
     return max(MIN_LENGTH, 1 << (max(1, tokens) - 1).bit_length())
 
 
-def compile_step(step: Callable, device: torch.device, dynamic: bool = True) -> Callable:
+def compile_step(step: Callable, device: torch.device, dynamic: bool) -> Callable:
     """The step as it runs on `device`: compiled into CUDA graphs on CUDA (`fullgraph`: a graph break would
     leave eager launches in every step; `dynamic`: one compile over every bucket's shapes, each bucket then
     recording its own graph), as it is elsewhere."""
@@ -83,7 +82,7 @@ class _Stepper:
         self.model_ref = weakref.ref(model)  # the stepper lives in a WeakKeyDictionary keyed by the model
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         device = model.get_output_embeddings().weight.device
-        self.step = compile_step(self._step, device, DYNAMIC)
+        self.step = compile_step(self._step, device, True)  # dynamic: one compile (False: one a bucket)
 
     def _step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
         logits = self.model_ref()(
