@@ -157,6 +157,7 @@ def main() -> int:
         # greedy generation: regeneration's hf loop, every row to its limit (eos -1 never comes), over each KV
         # cache; the first batch apart (the static cache compiles its step then, once a run, and records the
         # bucket's CUDA graph), then the host syncs and the time of the same batch; and another bucket's first
+        # batch (its graph recorded, its step compiled already)
         prompts = torch.randint(0, vocab, (gen_rows, prompt_len), generator=g).tolist()
         out = []
         for cache in ("dynamic", "static"):

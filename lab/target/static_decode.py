@@ -61,7 +61,7 @@ def compile_step(step: Callable, device: torch.device, dynamic: bool) -> Callabl
     return compiled(step, "reduce-overhead", dynamic)
 
 
-def compiled(step: Callable, mode: str | None = None, dynamic: bool = True) -> Callable:
+def compiled(step: Callable, mode: str | None, dynamic: bool) -> Callable:
     """`torch.compile` of the step, with dynamo's recompile limit raised to cover every bucket."""
     import torch._dynamo
 
