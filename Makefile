@@ -20,6 +20,10 @@ HAVE ?=
 # worker's CPU work fills the gaps where another waits on a server or a subprocess, and beside other busy
 # processes the suite keeps a larger share of the cores
 TEST_WORKERS ?= 3
+# Python keeps the byte code it compiles, here and in every process the recipes start: the install leaves
+# compiling to first use (scripts/install.py: 150 s of pip's 4 minutes on 2 cores), and with
+# PYTHONDONTWRITEBYTECODE set (as some machines do) every process would compile its imports again
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install install-offline wheelhouse browser postgres test test-fast demo lint clean-cache
 
