@@ -412,10 +412,11 @@ def test_a_key_added_with_a_default_keeps_the_hash():
 
 
 @pytest.mark.slow
-def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
+def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path, capsys):
     """A run recorded before a key existed still matches a fresh composition; a run keyed by the old scheme
     is named by `lab doctor` in one line and re-keyed by `lab doctor --rekey` from its logged config."""
     from lab import track
+    from lab.cli import main
     from lab.config.identity import CONFIG_HASH_SCHEME
 
     uri, root = f"sqlite:///{tmp_path / 'mlflow.db'}", str(tmp_path / "artifacts")
@@ -429,20 +430,23 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path):
         old.log_dict(logged, "config.yaml")
     assert track.get_run(uri, run.id).data.tags["config_hash"] == config_hash(compose(overrides))
 
-    doctor = [sys.executable, "-m", "lab.cli", "doctor", f"tracking.uri={uri}", f"tracking.artifact_root={root}"]
-    said = subprocess.run(doctor, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    def doctor(*args: str) -> str:  # in this process: what `lab doctor` prints
+        capsys.readouterr()
+        assert main(["doctor", *args, f"tracking.uri={uri}", f"tracking.artifact_root={root}"]) == 0
+        return capsys.readouterr().out
+
+    said = doctor()
     assert [line for line in said.splitlines() if line.startswith("store:")] == [
         "store: 1 finished run(s) carry a config_hash of an older scheme, so studies would rerun them; "
         "`lab doctor --rekey` re-keys them from the config each logged"
     ]
-    said = subprocess.run([*doctor, "--rekey"], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    said = doctor("--rekey")
     assert "store: re-keyed 1 of 1 run(s)" in said
     tags = track.get_run(uri, old.id).data.tags
     # it decoded every prompt to max_new_tokens, as runs did before scheme 3: re-keyed as such
     rekeyed = config_hash(compose([*overrides, "eval.stop_at_eos=false"]))
     assert (tags["config_hash"], tags["config_hash_previous"]) == (rekeyed, "0123456789ab")
-    said = subprocess.run(doctor, capture_output=True, text=True, check=True, cwd=tmp_path).stdout
-    assert "store:" not in said
+    assert "store:" not in doctor()
 
 
 def test_the_micro_profile_is_the_micro_target_data_and_quick_budgets():

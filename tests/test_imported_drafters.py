@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import small_drafter
+from helpers import TEST_THREADS, small_drafter
 from safetensors.torch import load_file, save_file
 
 from lab.config import ConfigError
@@ -612,7 +612,9 @@ def _vllm_al(target, drafter: Eagle3Drafter, suite, tmp_path: Path, checkpoint: 
         }
     )
     log = tmp_path / f"worker-{len(list(tmp_path.glob('worker-*')))}.log"
-    return vllm_backend.evaluate(target.path, drafter, [suite], [3], cfg, 0, 2, log, 2048, checkpoint=checkpoint)
+    return vllm_backend.evaluate(
+        target.path, drafter, [suite], [3], cfg, 0, TEST_THREADS, log, 2048, checkpoint=checkpoint
+    )
 
 
 def _ref_al(target, drafter: Eagle3Drafter, suite) -> float:

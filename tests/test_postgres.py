@@ -15,6 +15,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from helpers import hold_training, wait_held
 from mlflow.tracking import MlflowClient
 
 from lab.sweep import search_space
@@ -75,7 +76,7 @@ def test_three_workers_on_postgres_survive_a_killed_worker(
     storage = fresh_database("lab_test_optuna")
     extra = [
         *[o for o in micro_overrides if not o.startswith(("tracking.", "threads="))],
-        "train.steps=30",
+        "train.steps=6",
         "eval.num_prompts=2",
         f"tracking.uri={mlflow_server}",
         f"tracking.optuna_storage={storage}",
@@ -89,7 +90,14 @@ def test_three_workers_on_postgres_survive_a_killed_worker(
 
     worker = _lab("sweep", "worker", f"sweep={tmp_path / 'spec.yaml'}", "--no-progress", *extra)
     logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(3)]
-    procs = [subprocess.Popen(worker, stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    # the first worker's first training waits after its first step (its trial's MLflow run open) until killed,
+    # however fast the machine trains (tests/hold/sitecustomize.py); the other two train straight through
+    held = tmp_path / "held"
+    envs = [hold_training(dict(os.environ), 1, held), os.environ, os.environ]
+    procs = [
+        subprocess.Popen(worker, stdout=log, stderr=subprocess.STDOUT, env=env)
+        for log, env in zip(logs, envs, strict=True)
+    ]
     sweep = search_space.load(str(tmp_path / "spec.yaml"))
     name = sweep.study_name(extra)
     victim = procs[0]
@@ -97,17 +105,14 @@ def test_three_workers_on_postgres_survive_a_killed_worker(
     def trials() -> list[optuna.trial.FrozenTrial]:
         return optuna.load_study(study_name=name, storage=storage).trials
 
-    def victims_trial() -> optuna.trial.FrozenTrial | None:
-        for t in trials():
-            if t.state.name == "RUNNING" and t.user_attrs.get("worker", "").endswith(f":{victim.pid}"):
-                return t if "mlflow_run_id" in t.user_attrs else None
-        return None
-
     try:
-        deadline = time.time() + 300
-        while (killed := victims_trial()) is None:  # the victim is inside a trial whose MLflow run is open
-            assert victim.poll() is None and time.time() < deadline, (tmp_path / "worker0.log").read_text()[-3000:]
-            time.sleep(0.3)
+        wait_held(victim, held, tmp_path / "worker0.log", timeout=300)
+        (killed,) = [
+            t
+            for t in trials()
+            if t.state.name == "RUNNING" and t.user_attrs.get("worker", "").endswith(f":{victim.pid}")
+        ]
+        assert "mlflow_run_id" in killed.user_attrs
         victim.send_signal(signal.SIGKILL)
         for proc in procs[1:]:
             assert proc.wait(timeout=900) == 0, [(tmp_path / f"worker{i}.log").read_text()[-3000:] for i in (1, 2)]

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import evaluate_suite
+from helpers import TEST_THREADS, evaluate_suite
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
@@ -49,8 +49,9 @@ def _vllm_cfg(max_new_tokens: int, throughput: bool = False, fmt: str = "native"
 
 def vllm_eval(target_path, drafter, suite, tmp_path, ks=(K,), throughput=False, fmt="native", checkpoint=None):
     cfg = _vllm_cfg(suite.max_new_tokens, throughput, fmt)
+    log = tmp_path / "worker.log"
     return vllm_backend.evaluate(
-        target_path, drafter, [suite], list(ks), cfg, 0, 2, tmp_path / "worker.log", 2048, checkpoint=checkpoint
+        target_path, drafter, [suite], list(ks), cfg, 0, TEST_THREADS, log, 2048, checkpoint=checkpoint
     )
 
 
@@ -150,7 +151,7 @@ def test_vllm_equals_the_reference_on_a_structured_mla_pair_that_accepts_in_part
     ref = evaluate_suite(model, drafter, suite, [K], progress=False)
     outputs: dict = {}
     metrics = vllm_backend.evaluate(
-        tmp_path / "target", drafter, [suite], [K], _vllm_cfg(32), 0, 2, tmp_path / "worker.log", 2048,
+        tmp_path / "target", drafter, [suite], [K], _vllm_cfg(32), 0, TEST_THREADS, tmp_path / "worker.log", 2048,
         outputs=outputs,
     )  # fmt: skip
     ref_curve, curve = ref[f"eval/in_dist/ref/k{K}/accept_rate"], metrics[f"eval/in_dist/vllm/k{K}/accept_rate"]
@@ -256,7 +257,7 @@ def test_vllm_logprobs_equal_transformers_for_every_target_family(family, reques
     target = request.getfixturevalue(f"{family}_target")
     cfg = compose(micro_overrides + [f"target={family}", "eval.num_prompts=4"])
     sequences = build_suite("in_dist", target.tokenizer, cfg).prompts
-    ours = vllm_token_logprobs(target, sequences, threads=2)
+    ours = vllm_token_logprobs(target, sequences, threads=TEST_THREADS)
     theirs = hf_token_logprobs(target.model, sequences)
     gaps = [abs(a - b) for x, y in zip(ours, theirs, strict=True) for a, b in zip(x, y, strict=True)]
     assert len(gaps) == sum(len(s) - 1 for s in sequences) > 200
