@@ -43,3 +43,18 @@ def test_help_imports_no_verb_module():
     verb_modules = {c.module for c in COMMANDS.values() if c.module is not None}
     assert not verb_modules & loaded, verb_modules & loaded
     assert not {"torch", "mlflow", "optuna"} & loaded
+
+
+def test_transformers_loads_its_models_without_scikit_learn():
+    """lab/__init__.py: in a process that imports lab, transformers' generation utilities load without importing
+    scikit-learn (installed: mlflow needs it), and say that it is absent; without lab they import it."""
+    script = (
+        "import sys\n{}from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from transformers.utils import is_sklearn_available\n"
+        "print(is_sklearn_available(), 'sklearn.metrics' in sys.modules)"
+    )
+    said = [
+        subprocess.run([sys.executable, "-c", script.format(first)], capture_output=True, text=True, check=True).stdout
+        for first in ("import lab\n", "")
+    ]
+    assert said == ["False False\n", "True True\n"]
