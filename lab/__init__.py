@@ -8,6 +8,8 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable
+from types import ModuleType
 
 __version__ = "0.1.0"
 
@@ -16,19 +18,17 @@ __version__ = "0.1.0"
 # lab imports mlflow, which decides at import.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-SKLEARN_TABLE = "transformers.utils.import_utils"  # where transformers decides which optional packages it has
 
+class AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the module `name` as the path finder does and, once it has run, calls `then(module)`: a change to
+    a module made as it loads, before anything imports names from it. Put first in
+    sys.meta_path by `after_import`."""
 
-class _WithoutSklearn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """transformers imports scikit-learn's metrics as it loads its generation utilities whenever scikit-learn is
-    installed (mlflow brings it), for assisted generation's confidence threshold, which the workbench never uses:
-    2 of the 12 s `from transformers import AutoTokenizer, AutoModelForCausalLM` takes on 2 cores (12.0 -> 9.9 s,
-    three runs each), in every lab process that loads a model or a tokenizer and every vLLM worker. This finder
-    loads transformers' table of optional packages as the path finder would, then has it answer that
-    scikit-learn is absent; nothing else changes, and a transformers without that table is left alone."""
+    def __init__(self, name: str, then: Callable[[ModuleType], None]):
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != SKLEARN_TABLE:
+        if name != self.name:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
@@ -38,11 +38,25 @@ class _WithoutSklearn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        if callable(getattr(module, "is_sklearn_available", None)):
-            module.is_sklearn_available = lambda: False
+        self.then(module)
 
 
-if SKLEARN_TABLE not in sys.modules:  # before transformers loads in this process
-    sys.meta_path.insert(0, _WithoutSklearn())
+def after_import(name: str, then: Callable[[ModuleType], None]) -> None:
+    """`then(module)` once the module `name` has loaded in this process (not at all if it already has)."""
+    if name not in sys.modules:
+        sys.meta_path.insert(0, AfterImport(name, then))
+
+
+def _without_sklearn(table: ModuleType) -> None:
+    """transformers imports scikit-learn's metrics as it loads its generation utilities whenever scikit-learn is
+    installed (mlflow brings it), for assisted generation's confidence threshold, which the workbench never uses:
+    2 of the 12 s `from transformers import AutoTokenizer, AutoModelForCausalLM` takes on 2 cores (12.0 -> 9.9 s,
+    three runs each), in every lab process that loads a model or a tokenizer and every vLLM worker. Its table
+    of optional packages answers that scikit-learn is absent; a transformers without that table is left alone."""
+    if callable(getattr(table, "is_sklearn_available", None)):
+        table.is_sklearn_available = lambda: False
+
+
+after_import("transformers.utils.import_utils", _without_sklearn)

@@ -6,17 +6,14 @@ so that a test interrupts training at a point it controls however fast the machi
 `lab` processes a command starts itself (a sweep's workers) through their inherited environment; lab has no
 such hook of its own.
 
-It replaces lab.train.resume's `StopRequest` as that module loads (before lab/train/ttt.py imports it) with one
-whose `requested` holds on its N-th read: the trainer reads it once after each step it finishes, where it
-decides on a checkpoint. A change there that moves the hold fails the tests that use it (the file never comes,
-or the interrupt lands elsewhere than they check)."""
+It replaces lab.train.resume's `StopRequest` as that module loads (lab's `after_import`; before lab/train/ttt.py
+imports it) with one whose `requested` holds on its N-th read: the trainer reads it once after each step it
+finishes, where it decides on a checkpoint. A change there that moves the hold fails the tests that use it (the
+file never comes, or the interrupt lands elsewhere than they check)."""
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -57,24 +54,11 @@ def _held(base: type) -> type:
     return HeldStopRequest
 
 
-class _PatchResume(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds lab.train.resume as the path finder does, and replaces its StopRequest once it has run."""
-
-    def find_spec(self, name, path, target=None):
-        if name != RESUME:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is not None:
-            self.loader, spec.loader = spec.loader, self
-        return spec
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        module.StopRequest = _held(module.StopRequest)
+def _patch_resume(module) -> None:
+    module.StopRequest = _held(module.StopRequest)
 
 
 if os.environ.get(HOLD_ENV):
-    sys.meta_path.insert(0, _PatchResume())
+    from lab import after_import  # replaces StopRequest as lab.train.resume loads (lab/__init__.py)
+
+    after_import(RESUME, _patch_resume)
