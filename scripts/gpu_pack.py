@@ -64,6 +64,8 @@ def main() -> None:
             used += len(chunk)
             if not data:
                 break
+        else:
+            raise SystemExit(f"--assets: {asset.name} needs more than 26 parts (part-aa to part-az)")
     for folder in sorted(args.out.glob("call*")):
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         size = sum(p.stat().st_size for p in files)
