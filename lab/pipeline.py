@@ -38,7 +38,7 @@ from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
 from lab.data.regenerate import regenerate
 from lab.data.suites import build_suite
-from lab.data.text import training_sequences
+from lab.data.text import cached_training_sequences
 from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
@@ -319,7 +319,7 @@ def resolved_device(target: Target) -> dict[str, str]:
 def _training_data(cfg: DictConfig, target, progress: bool):
     """(train, held-out) sequences, what chat suites are built from (None for code data), data/... metrics."""
     if cfg.data.source == DataSource.code:
-        train_seqs, heldout = training_sequences(target.tokenizer, cfg.data)
+        train_seqs, heldout = cached_training_sequences(target.tokenizer, target.fingerprint, cfg.data, cfg.cache_dir)
         return train_seqs, heldout, None, {}
     data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress, cfg.dtype.value, cfg.kv_cache.value)
 

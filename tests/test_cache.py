@@ -75,6 +75,37 @@ def test_corrupted_shard_is_detected_and_rebuilt(micro_cfg, micro_target, micro_
     assert torch.equal(again.aux, first.aux)
 
 
+def test_code_sequences_are_chosen_once_and_a_damaged_file_is_chosen_again(
+    micro_cfg, micro_target, micro_sequences, tmp_path, monkeypatch
+):
+    """data=code's sequences come from the cache on a second call; a file whose bytes changed (a flipped bit in a
+    tensor, a cut) is not used: they are chosen again, the same."""
+    import lab.data.text as text
+
+    def both():
+        return text.cached_training_sequences(
+            micro_target.tokenizer, micro_target.fingerprint, micro_cfg.data, tmp_path
+        )
+
+    def same(got):
+        return all(
+            torch.equal(a, b)
+            for g, m in zip(got, micro_sequences, strict=True)
+            for a, b in ((g.input_ids, m.input_ids), (g.loss_mask, m.loss_mask))
+        )
+
+    assert same(both())
+    (path,) = (tmp_path / "sequences").glob("*.safetensors")
+    chosen = []
+    monkeypatch.setattr(text, "training_sequences", lambda *a: chosen.append(1) or micro_sequences)
+    assert same(both()) and not chosen  # read, not chosen again
+    data = bytearray(path.read_bytes())
+    for damaged in (data[:-1] + bytes([data[-1] ^ 1]), data[: len(data) // 2]):
+        path.write_bytes(damaged)
+        assert same(both())
+    assert len(chosen) == 2 and path.read_bytes() == bytes(data)
+
+
 def test_heldout_states_are_captured_once_and_give_the_rollout_of_a_fresh_capture(
     micro_cfg, micro_target, micro_sequences, trained_eagle31, tmp_path, capsys
 ):
