@@ -12,7 +12,9 @@ import argparse
 import importlib
 import sys
 from types import ModuleType
+from typing import NoReturn
 
+from lab import exit_now
 from lab.cli.common import HelpNames, Parser, Verb, check_path_args, described, fail
 from lab.cli.registry import COMMANDS, EPILOG, Command, help_names, named_in
 from lab.config import ConfigError
@@ -74,6 +76,12 @@ def _add_arguments(parser: argparse.ArgumentParser, verb: Verb) -> None:
         parser.set_defaults(takes_worker=True)  # `lab VERB worker ...` joins a running study
     if verb.named_files:
         parser.set_defaults(named_files=dict(verb.named_files))
+
+
+def console() -> NoReturn:
+    """The `lab` command: `main`, then `lab.exit_now` (the exit handlers, without Python's teardown of the
+    modules)."""
+    exit_now(main())
 
 
 def main(argv: list[str] | None = None) -> int:

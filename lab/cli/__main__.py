@@ -1,7 +1,6 @@
 """`python -m lab.cli`: the `lab` command (the tests and the sweep's worker processes start it so)."""
 
-import sys
-
+from lab import exit_now
 from lab.cli import main
 
-sys.exit(main())
+exit_now(main())
