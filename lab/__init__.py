@@ -66,14 +66,16 @@ def _without_sklearn(table: ModuleType) -> None:
 after_import("transformers.utils.import_utils", _without_sklearn)
 
 
-def exit_now(code: int) -> NoReturn:
+def exit_now(code: int, handlers: bool = True) -> NoReturn:
     """End a process whose work is done as Python would, less its teardown of every loaded module: the other
     non-daemon threads are told to stop and joined (threading's own shutdown, which thread pools hook), the exit
     handlers run (MLflow ends an open run, logging flushes, temporary folders go), stdout and stderr are
     flushed, and the process exits with `code`. Python's teardown of torch's, transformers' and mlflow's modules
-    took 2.8 and 2.9 s of an 18-21 s `lab run profile=micro` on 2 cores."""
-    threading._shutdown()  # what the interpreter calls first at exit
-    atexit._run_exitfuncs()
+    took 2.8 and 2.9 s of an 18-21 s `lab run profile=micro` on 2 cores. `handlers=False` skips the threads and
+    the handlers too: a vLLM worker's result is written, and vLLM's own handlers tear its engines down."""
+    if handlers:
+        threading._shutdown()  # what the interpreter calls first at exit
+        atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Any
 
+from lab import exit_now
 from lab import metrics as metric_keys
 
 PROGRESS = "[lab-vllm]"
@@ -191,8 +192,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    # the result is written: skip the interpreter's shutdown, where vLLM tears down both engines (8-12 s of a
-    # 40 s worker on 2 cores, measured) for memory the exit frees anyway
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # the result is written: vLLM's exit handlers and Python's teardown would only free what the exit frees
+    # (a worker 29.7 -> 22.6 s on 2 cores; with the handlers run, 2.5 s more)
+    exit_now(code, handlers=False)

@@ -24,6 +24,8 @@ import time
 import traceback
 from typing import Any, TextIO
 
+from lab import exit_now
+
 
 def engine_environment(job: dict, env: dict[str, str]) -> dict[str, str]:
     """`env` with what vLLM reads at import: a small CPU KV cache, the engine in this process, the asked-for
@@ -182,8 +184,5 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    # every reply is sent: skip the interpreter's shutdown, where vLLM tears its engine down (seconds on 2
-    # cores) for memory the exit frees anyway
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # every reply is sent: vLLM's exit handlers and Python's teardown would only free what the exit frees
+    exit_now(code, handlers=False)
