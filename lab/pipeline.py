@@ -33,12 +33,11 @@ from lab.config import ConfigError, DataSource, Decoder, rollout_depth
 from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
 from lab.config.shape import aux_layers
 from lab.data.answers import Answers, suite_answers
-from lab.data.cache import HeldoutStates, build_or_load, heldout_states
+from lab.data.cache import HeldoutStates, build_or_load, code_sequences, heldout_states
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
 from lab.data.regenerate import regenerate
 from lab.data.suites import build_suite
-from lab.data.text import cached_training_sequences
 from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
@@ -319,7 +318,7 @@ def resolved_device(target: Target) -> dict[str, str]:
 def _training_data(cfg: DictConfig, target, progress: bool):
     """(train, held-out) sequences, what chat suites are built from (None for code data), data/... metrics."""
     if cfg.data.source == DataSource.code:
-        train_seqs, heldout = cached_training_sequences(target.tokenizer, target.fingerprint, cfg.data, cfg.cache_dir)
+        train_seqs, heldout = code_sequences(target, cfg.data, cfg.cache_dir)
         return train_seqs, heldout, None, {}
     data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress, cfg.dtype.value, cfg.kv_cache.value)
 

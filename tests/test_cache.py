@@ -80,12 +80,10 @@ def test_code_sequences_are_chosen_once_and_a_damaged_file_is_chosen_again(
 ):
     """data=code's sequences come from the cache on a second call; a file whose bytes changed (a flipped bit in a
     tensor, a cut) is not used: they are chosen again, the same."""
-    import lab.data.text as text
+    import lab.data.cache as cache
 
     def both():
-        return text.cached_training_sequences(
-            micro_target.tokenizer, micro_target.fingerprint, micro_cfg.data, tmp_path
-        )
+        return cache.code_sequences(micro_target, micro_cfg.data, tmp_path)
 
     def same(got):
         return all(
@@ -95,9 +93,9 @@ def test_code_sequences_are_chosen_once_and_a_damaged_file_is_chosen_again(
         )
 
     assert same(both())
-    (path,) = (tmp_path / "sequences").glob("*.safetensors")
+    (path,) = (tmp_path / "sequences").glob("*/sequences.safetensors")
     chosen = []
-    monkeypatch.setattr(text, "training_sequences", lambda *a: chosen.append(1) or micro_sequences)
+    monkeypatch.setattr(cache, "training_sequences", lambda *a: chosen.append(1) or micro_sequences)
     assert same(both()) and not chosen  # read, not chosen again
     data = bytearray(path.read_bytes())
     for damaged in (data[:-1] + bytes([data[-1] ^ 1]), data[: len(data) // 2]):

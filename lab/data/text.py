@@ -8,19 +8,14 @@ turns), while the prompt is context.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from omegaconf import DictConfig
 
 from lab.config import MIN_ASSISTANT_TOKENS, ConfigError
-from lab.fsutil import atomic_file, short_hash
 from lab.target import chat, corpus
 
 WINDOW_SEED = 1234  # fixed: every run and seed trains on the same sequences, so caches are shared
@@ -109,41 +104,3 @@ def training_sequences(tokenizer, dcfg: DictConfig) -> tuple[Sequences, Sequence
         conversation_sequences(tokenizer, dcfg, False, dcfg.num_sequences, "data.num_sequences"),
         conversation_sequences(tokenizer, dcfg, True, dcfg.heldout_sequences, "data.heldout_sequences"),
     )
-
-
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    sha = hashlib.sha256()
-    for name in sorted(tensors):
-        sha.update(name.encode() + tensors[name].contiguous().numpy().tobytes())
-    return sha.hexdigest()
-
-
-def cached_training_sequences(
-    tokenizer, fingerprint: str, dcfg: DictConfig, cache_dir: str | Path
-) -> tuple[Sequences, Sequences]:
-    """`training_sequences`, kept in `{cache_dir}/sequences/{key}.safetensors`: choosing them renders and encodes
-    every conversation of the corpus split (13 s a run at tiny_code's 12 MB on 2 cores), the same for every run
-    of a study. The key hashes the target's fingerprint, the data config and the corpus; a file whose tensors do
-    not match the digest it was written with is built again, never used."""
-    key = {
-        "target": fingerprint,
-        "data": OmegaConf.to_container(dcfg, enum_to_str=True),
-        "corpus": corpus.manifest_hash(corpus.select(dcfg.corpus_bytes)),
-    }
-    path = Path(cache_dir) / "sequences" / f"{short_hash(key)}.safetensors"
-    names = ("train_ids", "train_mask", "heldout_ids", "heldout_mask")
-    try:
-        with safe_open(path, "pt") as f:
-            digest, tensors = (f.metadata() or {}).get("sha256"), {name: f.get_tensor(name) for name in f.keys()}
-        if digest == _digest(tensors) and set(tensors) == set(names):
-            return Sequences(tensors["train_ids"], tensors["train_mask"]), Sequences(
-                tensors["heldout_ids"], tensors["heldout_mask"]
-            )
-    except (OSError, SafetensorError):
-        pass
-    train, heldout = training_sequences(tokenizer, dcfg)
-    tensors = dict(zip(names, (train.input_ids, train.loss_mask, heldout.input_ids, heldout.loss_mask), strict=True))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"sha256": _digest(tensors)})
-    return train, heldout
