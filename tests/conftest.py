@@ -18,7 +18,7 @@ from lab.config.shape import aux_layers
 MICRO = ["profile=micro"]
 
 
-# `make test` runs the suite on pytest-xdist workers (`-n 3 --dist loadgroup`). A file runs whole on one worker, so
+# `make test` runs the suite on pytest-xdist workers (`-n 4 --dist loadgroup`). A file runs whole on one worker, so
 # its module fixtures are built once; files that share a costly session fixture run on the same worker, so it is
 # built once too (micro_study, micro_mla_target, the converted SmolLM2 in the session's cache), and the PostgreSQL
 # server that the `postgres` fixture starts and stops belongs to one worker's tests only.
