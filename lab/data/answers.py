@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from lab.data.cache import MANIFEST, capture_heldout, verified_or_built
-from lab.fsutil import sha256_file, short_hash, staging_dir
+from lab.data.cache import capture_heldout, publish_tensors, verified_or_built
+from lab.fsutil import short_hash
 from lab.target import Target
 from lab.target.generate import HF_BATCH, greedy_batch
 
@@ -138,17 +138,15 @@ def write_answers(answers: Answers, path: Path, key: str, fingerprint: str, aux_
         "aux": answers.aux.contiguous(),
         "top": torch.tensor([t + [0] * (width - len(t)) for t in answers.top], dtype=torch.int32),
     }
-    with staging_dir(path) as tmp:
-        save_file(tensors, str(tmp / FILE))
-        manifest = {
-            "key": key,
-            "format": ANSWERS_FORMAT,
-            "target": fingerprint,
-            "aux_layers": list(aux_layers),
-            "num_prompts": len(answers),
-            "length": length,
-            "disagreements": answers.disagreements,
-            "shards": [{"file": FILE, "sha256": sha256_file(tmp / FILE)}],
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
+    return publish_tensors(
+        path,
+        FILE,
+        tensors,
+        key=key,
+        format=ANSWERS_FORMAT,
+        target=fingerprint,
+        aux_layers=list(aux_layers),
+        num_prompts=len(answers),
+        length=length,
+        disagreements=answers.disagreements,
+    )

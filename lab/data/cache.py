@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -78,6 +79,16 @@ def _verify(path: Path) -> dict | None:
     if bad is not None:
         print(f"cache entry {path / bad} is missing or does not match its manifest hash; rebuilding it")
         return None
+    return manifest
+
+
+def publish_tensors(path: Path, file: str, tensors: dict[str, torch.Tensor], **info: Any) -> dict:
+    """Publish `tensors` as the one-file entry `path` (staged whole, then renamed), with a manifest of `info` and
+    the file's sha256, which `verified_or_built` checks; returns the manifest."""
+    with staging_dir(path) as tmp:
+        save_file(tensors, str(tmp / file))
+        manifest = {**info, "shards": [{"file": file, "sha256": sha256_file(tmp / file)}]}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -260,18 +271,16 @@ def _capture_heldout(
 ) -> dict:
     aux, top = capture_heldout(target, ids, aux_layers, batch_size)
     tensors = {"input_ids": ids.to(torch.int32).contiguous(), "aux": aux.cpu(), "top": top.to(torch.int32).cpu()}
-    with staging_dir(path) as tmp:
-        save_file(tensors, str(tmp / "states.safetensors"))
-        manifest = {
-            "key": key,
-            "format": HELDOUT_FORMAT,
-            "target": target.fingerprint,
-            "aux_layers": list(aux_layers),
-            "num_sequences": int(ids.shape[0]),
-            "shards": [{"file": "states.safetensors", "sha256": sha256_file(tmp / "states.safetensors")}],
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    return manifest
+    return publish_tensors(
+        path,
+        "states.safetensors",
+        tensors,
+        key=key,
+        format=HELDOUT_FORMAT,
+        target=target.fingerprint,
+        aux_layers=list(aux_layers),
+        num_sequences=int(ids.shape[0]),
+    )
 
 
 def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> tuple[Sequences, Sequences]:
@@ -291,13 +300,7 @@ def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> t
         train, heldout = training_sequences(target.tokenizer, dcfg)
         tensors = {"train_ids": train.input_ids, "train_mask": train.loss_mask}
         tensors.update(heldout_ids=heldout.input_ids, heldout_mask=heldout.loss_mask)
-        with staging_dir(path) as tmp:
-            save_file(tensors, str(tmp / "sequences.safetensors"))
-            manifest = {
-                "shards": [{"file": "sequences.safetensors", "sha256": sha256_file(tmp / "sequences.safetensors")}]
-            }
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        return manifest
+        return publish_tensors(path, "sequences.safetensors", tensors)
 
     verified_or_built(path, choose)
     t = load_file(str(path / "sequences.safetensors"))
