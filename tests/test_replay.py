@@ -16,7 +16,7 @@ from helpers import perturb
 
 from lab.config.composition import compose
 from lab.config.shape import aux_layers
-from lab.data.answers import compute_answers, suite_answers, write_answers
+from lab.data.answers import compute_answers, length_groups, suite_answers, write_answers
 from lab.data.suites import build_suite
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import speculative_decode
@@ -49,6 +49,13 @@ def suites(micro_overrides, micro_target):
     return [
         (s, compute_answers(micro_target, s.prompts, s.max_new_tokens + max(KS), s.stop_ids, layers)) for s in built
     ]
+
+
+def test_the_answers_batch_prompts_of_similar_length():
+    """A batch is padded to its longest row: long_context's 2x, 4x and 8x prompts get batches of their own,
+    prompts a few tokens apart share one, and no batch holds more than its size."""
+    assert length_groups([1024, 64, 2048, 60, 4096, 1030]) == [[3, 1], [0, 5], [2], [4]]
+    assert length_groups([64] * 5, size=2) == [[0, 1], [2, 3], [4]]
 
 
 @pytest.fixture(scope="module")

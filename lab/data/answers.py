@@ -60,29 +60,47 @@ class Answers:
         )
 
 
+def length_groups(lengths: list[int], size: int = HF_BATCH, spread: float = 1.5, slack: int = 256) -> list[list[int]]:
+    """Indices in batches of at most `size`, shortest first. A batch is padded to its longest row, so a row more
+    than `spread` x and `slack` tokens longer than the batch's first starts a new one: a long_context suite's
+    2x, 4x and 8x prompts each get their own batch rather than all computing at the longest's width, while
+    prompts of a few dozen tokens' difference stay together (each batch costs its own decoding steps)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        first = lengths[groups[-1][0]] if groups else 0
+        if groups and len(groups[-1]) < size and (lengths[i] <= spread * first or lengths[i] - first <= slack):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 @torch.no_grad()
 def compute_answers(
     target: Target, prompts: list[list[int]], length: int, stop_ids: tuple[int, ...], aux_layers: list[int]
 ) -> Answers:
-    """Greedy answers (batched, `greedy_batch`), then one capture over prompt + answer."""
+    """Greedy answers (`greedy_batch`), then one capture over prompt + answer, in batches of similar length."""
     if len(stop_ids) > 1:
         raise ValueError(f"greedy answers stop at one token; got stop ids {list(stop_ids)}")
     eos = stop_ids[0] if stop_ids else -1  # -1: no token ends an answer
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    outs: list[list[int]] = [[] for _ in prompts]
-    for start in range(0, len(order), HF_BATCH):
-        rows = order[start : start + HF_BATCH]
+    sequences: list[list[int]] = [[] for _ in prompts]
+    aux: list[torch.Tensor | None] = [None] * len(prompts)
+    top: list[list[int]] = [[] for _ in prompts]
+    for rows in length_groups([len(p) for p in prompts]):
         batch = greedy_batch(target.model, [prompts[i] for i in rows], [length] * len(rows), eos)
         for i, out in zip(rows, batch, strict=True):
-            outs[i] = out + [eos] if len(out) < length else out  # greedy_batch drops the eos it stopped at
-    sequences = [p + a for p, a in zip(prompts, outs, strict=True)]
+            sequences[i] = prompts[i] + (out + [eos] if len(out) < length else out)  # greedy_batch drops its eos
+        ids = torch.zeros(len(rows), max(len(sequences[i]) for i in rows), dtype=torch.long)  # right-padded
+        for j, i in enumerate(rows):
+            ids[j, : len(sequences[i])] = torch.tensor(sequences[i])
+        group_aux, group_top = capture_heldout(target, ids, aux_layers)
+        for j, i in enumerate(rows):
+            aux[i], top[i] = group_aux[j, : len(sequences[i])], group_top[j, : len(sequences[i])].tolist()
     width = max(map(len, sequences))
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)  # right-padded: a position reads those before it
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.tensor(seq)
-    aux, top = capture_heldout(target, ids, aux_layers)
-    tops = [row[: len(seq)] for row, seq in zip(top.tolist(), sequences, strict=True)]
-    return Answers(sequences, [len(p) for p in prompts], tops, aux.cpu())
+    padded = torch.zeros(len(prompts), width, aux[0].shape[-1], dtype=aux[0].dtype)  # a position reads those before it
+    for i, states in enumerate(aux):
+        padded[i, : len(states)] = states
+    return Answers(sequences, [len(p) for p in prompts], top, padded)
 
 
 def answers_key(target: Target, prompts: list[list[int]], length: int, stop_ids, aux_layers: list[int]) -> str:
