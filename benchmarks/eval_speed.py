@@ -9,7 +9,8 @@ as the config says (`--train-steps` to shorten it: the timings hardly depend on 
 its prompts, the seconds of the sequential evaluation, of the target's greedy answers (once per study: every
 run of a study shares them), of the replay's evaluation (its timed sample of `eval.timed_prompts` prompts
 included) and of the replay alone, whether every prompt's rounds came out equal both ways (else how many
-prompts and k did: in bfloat16 a near tie can flip a token), and AL at the deepest k. Then the ratio for one
+prompts and k did, and how many of the batched answers equal each prompt's greedy decoding alone: in bfloat16
+a near tie can flip a token), and AL at the deepest k. Then the ratio for one
 run, and for a study of `--runs` runs that computes the answers once.
 """
 
@@ -26,6 +27,7 @@ from lab.drafter import init_drafter
 from lab.eval.replay import replay
 from lab.eval.run import evaluate_suite_prompts, timed_prompts
 from lab.pipeline import _prepare, set_threads
+from lab.target.generate import greedy_batch
 from lab.train.ttt import train
 
 
@@ -73,6 +75,8 @@ def main() -> None:
         rounds = sum(p["k"][str(k)]["rounds"] for p in replayed.per_prompt["prompts"] for k in ks)
         al = replayed.metrics[f"eval/{suite.name}/ref/k{max(ks)}/al"]
         same = "-" if not pairs else "yes" if all(pairs) else f"NO: {sum(pairs)} of {len(pairs)} prompt x k"
+        if pairs and not all(pairs):  # why: is the batched answer each prompt's own greedy decoding?
+            same += f", {alone_equal(target, suite, answers, max(ks))} of {len(suite.prompts)} answers as decoded alone"
         print(f"| {suite.name} | {len(suite.prompts)} | {seq_s:.2f} | {answers_s:.2f} | {replay_s:.2f} | "
               f"{only_s:.2f} | {same} ({rounds} rounds) | {al:.3f} |")  # fmt: skip
         for i, v in enumerate((seq_s, answers_s, replay_s, only_s)):
@@ -83,6 +87,17 @@ def main() -> None:
     study = args.runs * seq_s / (answers_s + args.runs * replay_s)
     print(f"a study of {args.runs} runs (answers once): {args.runs * seq_s:.1f} s -> "
           f"{answers_s + args.runs * replay_s:.1f} s = {study:.1f}x")  # fmt: skip
+
+
+def alone_equal(target, suite, answers, deepest: int) -> int:
+    """How many of the batched greedy answers equal the prompt's greedy decoding on its own (batch 1): where a
+    low precision rounds a near tie otherwise in the batch, the replay follows another text than the decoder."""
+    length, eos = suite.max_new_tokens + deepest, suite.stop_ids[0] if suite.stop_ids else -1
+    count = 0
+    for prompt, sequence in zip(suite.prompts, answers.sequences, strict=True):
+        alone = greedy_batch(target.model, [prompt], [length], eos)[0]
+        count += sequence[len(prompt) :] == (alone + [eos] if len(alone) < length else alone)
+    return count
 
 
 if __name__ == "__main__":
