@@ -22,12 +22,11 @@ import time
 import torch
 
 from lab.config.composition import compose
-from lab.data.answers import compute_answers
+from lab.data.answers import compute_answers, greedy_answers
 from lab.drafter import init_drafter
 from lab.eval.replay import replay
 from lab.eval.run import evaluate_suite_prompts, timed_prompts
 from lab.pipeline import _prepare, set_threads
-from lab.target.generate import greedy_batch
 from lab.train.ttt import train
 
 
@@ -93,11 +92,10 @@ def alone_equal(target, suite, answers, deepest: int) -> int:
     """How many of the batched greedy answers equal the prompt's greedy decoding on its own (batch 1): where a
     low precision rounds a near tie otherwise in the batch, the replay follows another text than the decoder."""
     length, eos = suite.max_new_tokens + deepest, suite.stop_ids[0] if suite.stop_ids else -1
-    count = 0
-    for prompt, sequence in zip(suite.prompts, answers.sequences, strict=True):
-        alone = greedy_batch(target.model, [prompt], [length], eos)[0]
-        count += sequence[len(prompt) :] == (alone + [eos] if len(alone) < length else alone)
-    return count
+    return sum(
+        sequence[len(prompt) :] == greedy_answers(target.model, [prompt], length, eos)[0]
+        for prompt, sequence in zip(suite.prompts, answers.sequences, strict=True)
+    )
 
 
 if __name__ == "__main__":

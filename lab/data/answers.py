@@ -75,6 +75,12 @@ def length_groups(lengths: list[int], size: int = HF_BATCH, spread: float = 1.5,
     return groups
 
 
+def greedy_answers(model, prompts: list[list[int]], length: int, eos: int) -> list[list[int]]:
+    """Each prompt's greedy answer in one batch, to its first `eos` (kept) or `length` tokens."""
+    outs = greedy_batch(model, prompts, [length] * len(prompts), eos)
+    return [out + [eos] if len(out) < length else out for out in outs]  # greedy_batch drops the eos it stopped at
+
+
 @torch.no_grad()
 def compute_answers(
     target: Target, prompts: list[list[int]], length: int, stop_ids: tuple[int, ...], aux_layers: list[int]
@@ -87,9 +93,8 @@ def compute_answers(
     aux: list[torch.Tensor | None] = [None] * len(prompts)
     top: list[list[int]] = [[] for _ in prompts]
     for rows in length_groups([len(p) for p in prompts]):
-        batch = greedy_batch(target.model, [prompts[i] for i in rows], [length] * len(rows), eos)
-        for i, out in zip(rows, batch, strict=True):
-            sequences[i] = prompts[i] + (out + [eos] if len(out) < length else out)  # greedy_batch drops its eos
+        for i, answer in zip(rows, greedy_answers(target.model, [prompts[i] for i in rows], length, eos), strict=True):
+            sequences[i] = prompts[i] + answer
         ids = torch.zeros(len(rows), max(len(sequences[i]) for i in rows), dtype=torch.long)  # right-padded
         for j, i in enumerate(rows):
             ids[j, : len(sequences[i])] = torch.tensor(sequences[i])
