@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import pytest
@@ -170,33 +170,7 @@ def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
     assert held.per_prompt["metric"] == metric_keys.rollout_accuracy("in_dist")
 
 
-def _fake_vllm() -> ModuleType:
-    """Just enough of vLLM's API for lab/eval/vllm_worker.py: engines that echo a fixed answer and count
-    drafts like a speculative engine."""
-
-    class LLM:
-        def __init__(self, model: str, speculative_config: dict | None = None, **engine):
-            self.calls = 0
-
-        def generate(self, prompts, params, use_tqdm=False):
-            self.calls += 1
-            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * params.max_tokens)]) for _ in prompts]
-
-        def get_metrics(self):
-            n = self.calls
-            return [
-                SimpleNamespace(name="vllm:spec_decode_num_drafts", value=10 * n),
-                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=5 * n),
-                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[3 * n, 2 * n]),
-            ]
-
-    vllm = ModuleType("vllm")
-    vllm.__version__ = "0.0-fake"
-    vllm.LLM = LLM
-    vllm.SamplingParams = lambda **kw: SimpleNamespace(**kw)
-    vllm.inputs = ModuleType("vllm.inputs")
-    vllm.inputs.TokensPrompt = lambda prompt_token_ids: prompt_token_ids
-    return vllm
+FAKE_VLLM = Path(__file__).parent / "fake_vllm"
 
 
 def test_the_vllm_worker_and_backend_log_the_builders_keys(tmp_path, monkeypatch):
@@ -205,9 +179,10 @@ def test_the_vllm_worker_and_backend_log_the_builders_keys(tmp_path, monkeypatch
     from lab.data.suites import Suite
     from lab.eval import vllm_backend, vllm_worker
 
-    fake = _fake_vllm()
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", fake.inputs)
+    monkeypatch.syspath_prepend(str(FAKE_VLLM))  # tests/fake_vllm: imported as vllm, then forgotten
+    for name in ("vllm", "vllm.inputs"):
+        monkeypatch.setitem(sys.modules, name, None)
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(vllm_worker, "configure_environment", lambda job: None)
     suite = Suite("mix", [[5, 6, 7], [8, 9], [4, 4, 4, 4]], ["a", "b", "a"], max_new_tokens=4)
     ks, cs = [2, 3], [1, 4]

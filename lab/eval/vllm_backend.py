@@ -6,8 +6,10 @@ This module never imports vllm itself; the worker does, in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,7 @@ from lab.config.shape import mla_target, vllm_engine_options
 from lab.data.suites import Suite
 from lab.drafter import DrafterSpec, Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
 from lab.eval.reference import DecodeStats
-from lab.eval.vllm_worker import PROGRESS
+from lab.eval.vllm_worker import PROGRESS, SERVED
 from lab.fsutil import last_error_line
 
 Metrics = dict[str, float | list[float]]
@@ -105,8 +107,7 @@ def evaluate(
         result_path = Path(tmp) / "result.json"
         start = time.perf_counter()
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "lab.eval.vllm_worker", str(Path(tmp) / "job.json"), str(result_path)]
-        returncode = _run_worker(cmd, log_path, v.timeout_s, progress)
+        returncode = _run_worker(job, [str(Path(tmp) / "job.json"), str(result_path)], log_path, v.timeout_s, progress)
         if returncode != 0 or not result_path.is_file():
             raise VllmError(f"vLLM worker exited with {returncode}: {last_error_line(log_path)} (log: {log_path})")
         result = json.loads(result_path.read_text())
@@ -159,25 +160,85 @@ def _al_metrics(suite: str, k: int, stats: DecodeStats) -> Metrics:
     }
 
 
-def _run_worker(cmd: list[str], log_path: Path, timeout_s: float, progress: bool) -> int:
-    """Run the worker, its output into `log_path`; killed after `timeout_s`."""
+def _run_worker(job: dict, paths: list[str], log_path: Path, timeout_s: float, progress: bool) -> int:
+    """Run the job (`paths`: its JOB.json and RESULT.json) in a worker, its output into `log_path`; killed after
+    `timeout_s`. On the CPU the worker is a child of this process's serving one (lab/eval/vllm_worker.py `serve`),
+    on CUDA a process of its own."""
+    env = _env()
+    served = not torch.cuda.is_available()
+    if served:
+        # what a worker reads as it starts; pytest's name of the test running, which changes with every test, aside
+        started = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
+        key = (str(job["kv_cache_gib"]), str(job["threads"]), started)
+        server = _server(key)
+        server.stdin.write(json.dumps(paths) + "\n")
+        server.stdin.flush()
+        proc, lines = None, server.stdout
+    else:
+        cmd = [sys.executable, "-m", "lab.eval.vllm_worker", *paths]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        lines = proc.stdout
+    child: list[int] = []  # the served job's pid, once said
+    returncode = None
+
+    def kill() -> None:  # the worker: the served job's child, or its server while it has none (still importing)
+        if proc is not None:
+            proc.kill()
+        elif child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child[0], signal.SIGKILL)
+        else:
+            server.kill()
+
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
         timed_out = threading.Event()
-        timer = threading.Timer(timeout_s, lambda: (timed_out.set(), proc.kill()))
+        timer = threading.Timer(timeout_s, lambda: (timed_out.set(), kill()))
         timer.start()
         try:
-            for line in proc.stdout:
+            for line in lines:
+                if served and line.startswith(SERVED):
+                    word, value = line[len(SERVED) :].split()
+                    if word == "pid":
+                        child.append(int(value))
+                        continue
+                    returncode = int(value)  # `exit`: the job is over
+                    break
                 log.write(line)
                 if progress and line.startswith(PROGRESS):
                     print("vllm:" + line[len(PROGRESS) :].rstrip(), flush=True)
-            proc.wait()
+            if proc is not None:
+                returncode = proc.wait()
         finally:
             timer.cancel()
-            proc.kill()
+            if returncode is None:  # the job did not end as the protocol says: neither it nor its server goes on
+                kill()
+                if served:
+                    _served.pop(key, None)
+                    server.kill()
+                    returncode = server.wait()
     if timed_out.is_set():
         raise VllmError(f"vLLM worker ran past eval.vllm.timeout_s={timeout_s:.0f}; see {log_path}")
-    return proc.returncode
+    return returncode
+
+
+# this process's serving worker and what it was started for: one at a time, a new key ends the previous one
+_served: dict[tuple, subprocess.Popen] = {}
+
+
+def _server(key: tuple) -> subprocess.Popen:
+    """The serving worker for `key` (kv_cache_gib, threads, environment), started if none is running for it."""
+    server = _served.get(key)
+    if server is None or server.poll() is not None:
+        for old in _served.values():
+            old.kill()
+            old.wait()
+        _served.clear()
+        kv_cache_gib, threads, env = key
+        cmd = [sys.executable, "-m", "lab.eval.vllm_worker", "--serve", kv_cache_gib, threads]
+        server = _served[key] = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env)
+        )
+    return server
 
 
 def _env() -> dict[str, str]:
