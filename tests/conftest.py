@@ -30,8 +30,8 @@ SAME_WORKER = {
 }
 # Workers take the groups in collection order, so the longest go first and none is left to run alone at the end:
 # seconds per group on one worker, the mean of five `make test` runs on 2 cores (their JUnit); groups not named here
-# are short and follow. Replayed through xdist's scheduling, this order ends those runs 1-27 s after their mean
-# load per worker, the previous table's 33-104 s.
+# are short and follow. With four workers on two cores the order moves the wall little (the cores stay busy while
+# two workers are): with this table the workers of two runs ended within 10 and 24 s of each other.
 GROUP_SECONDS = {
     "test_vllm": 831, "test_pipeline": 771, "test_concurrency": 748, "test_sweep": 545, "test_fuzz_input": 498,
     "test_imported_drafters": 274, "test_atomic_writes": 271, "test_ablate": 172, "test_bad_input": 172,
