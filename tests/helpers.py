@@ -71,6 +71,8 @@ def small_target(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+# a fake vLLM package (tests/fake_vllm/vllm) for a worker process's PYTHONPATH or this process's sys.path
+FAKE_VLLM = Path(__file__).resolve().parent / "fake_vllm"
 HOLD_DIR = Path(__file__).resolve().parent / "hold"  # its sitecustomize.py holds training where a test says
 
 

@@ -170,12 +170,11 @@ def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
     assert held.per_prompt["metric"] == metric_keys.rollout_accuracy("in_dist")
 
 
-FAKE_VLLM = Path(__file__).parent / "fake_vllm"
-
-
 def test_the_vllm_worker_and_backend_log_the_builders_keys(tmp_path, monkeypatch):
     """The worker's result (run in this process against a stand-in for vLLM) turned into metrics: exactly the
     builders' keys for a suite with two variants, two depths and two concurrencies, and the worker's own."""
+    from helpers import FAKE_VLLM
+
     from lab.data.suites import Suite
     from lab.eval import vllm_backend, vllm_worker
 

@@ -10,25 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FAKE_VLLM
 
 from lab.eval import vllm_backend, vllm_worker
 
-FAKE_VLLM = Path(__file__).parent / "fake_vllm"
 
-
-def _job(tmp_path: Path, name: str, target: str = "t") -> tuple[dict, list[str]]:
+def _run(tmp_path: Path, name: str, target: str = "t", timeout_s: float = 120) -> tuple[int, Path]:
+    """A small job over `target` through the backend's worker: its exit code and log."""
     job = {
         "target": target, "drafter": "d", "dtype": "float32", "ks": [2], "max_new_tokens": 3, "temperature": 0.0,
         "concurrency": [1], "throughput_suites": [], "max_model_len": 64, "kv_cache_gib": 1, "threads": 1, "seed": 0,
         "suites": [{"name": "s", "prompts": [[5, 6], [7]], "variants": ["a", "a"], "stop_ids": []}],
     }  # fmt: skip
     (tmp_path / f"{name}.json").write_text(json.dumps(job))
-    return job, [str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.result.json")]
-
-
-def _run(tmp_path: Path, name: str, target: str = "t", timeout_s: float = 120) -> tuple[int, Path]:
-    job, paths = _job(tmp_path, name, target)
-    log = tmp_path / f"{name}.log"
+    paths, log = [str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}.result.json")], tmp_path / f"{name}.log"
     return vllm_backend._run_worker(job, paths, log, timeout_s, progress=False), log
 
 
@@ -49,9 +44,7 @@ def served(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(FAKE_VLLM))
     monkeypatch.setenv("FAKE_VLLM_IMPORTS", str(tmp_path / "imports"))
     yield tmp_path / "imports"
-    for server in vllm_backend._served.values():
-        server.kill()
-    vllm_backend._served.clear()
+    vllm_backend.stop_serving()
 
 
 def test_jobs_are_forked_from_one_process_that_imported_vllm_once(served, tmp_path, monkeypatch):

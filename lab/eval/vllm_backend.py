@@ -213,9 +213,8 @@ def _run_worker(job: dict, paths: list[str], log_path: Path, timeout_s: float, p
             if returncode is None:  # the job did not end as the protocol says: neither it nor its server goes on
                 kill()
                 if served:
-                    _served.pop(key, None)
-                    server.kill()
-                    returncode = server.wait()
+                    stop_serving()
+                    returncode = server.returncode
     if timed_out.is_set():
         raise VllmError(f"vLLM worker ran past eval.vllm.timeout_s={timeout_s:.0f}; see {log_path}")
     return returncode
@@ -229,16 +228,21 @@ def _server(key: tuple) -> subprocess.Popen:
     """The serving worker for `key` (kv_cache_gib, threads, environment), started if none is running for it."""
     server = _served.get(key)
     if server is None or server.poll() is not None:
-        for old in _served.values():
-            old.kill()
-            old.wait()
-        _served.clear()
+        stop_serving()
         kv_cache_gib, threads, env = key
         cmd = [sys.executable, "-m", "lab.eval.vllm_worker", "--serve", kv_cache_gib, threads]
         server = _served[key] = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env)
         )
     return server
+
+
+def stop_serving() -> None:
+    """End this process's serving worker, if it has one (it also ends when this process does)."""
+    for server in _served.values():
+        server.kill()
+        server.wait()
+    _served.clear()
 
 
 def _env() -> dict[str, str]:
