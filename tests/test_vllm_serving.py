@@ -39,8 +39,10 @@ def _counts(result_path: Path) -> dict:
 
 @pytest.fixture
 def served(tmp_path, monkeypatch):
-    """The backend as on a CPU machine, its workers importing tests/fake_vllm and saying so in `imports`."""
+    """The backend as on a CPU machine, its workers importing tests/fake_vllm and saying so in `imports`; their
+    output unbuffered, as some machines set it (a `print` is then two writes)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     monkeypatch.setenv("PYTHONPATH", str(FAKE_VLLM))
     monkeypatch.setenv("FAKE_VLLM_IMPORTS", str(tmp_path / "imports"))
     yield tmp_path / "imports"
@@ -65,6 +67,9 @@ def test_jobs_are_forked_from_one_process_that_imported_vllm_once(served, tmp_pa
 def test_a_failed_or_timed_out_job_is_reported_and_the_next_one_served(served, tmp_path, monkeypatch):
     rc, log = _run(tmp_path, "broken", target="broken")
     assert rc == 1 and "fake vllm: cannot load broken" in log.read_text()
+    # the job's last line has no newline: the server's `exit` still ends it
+    rc, log = _run(tmp_path, "unfinished", target="unfinished")
+    assert rc == 3 and log.read_text().endswith("fake vllm: half a line")
     with pytest.raises(vllm_backend.VllmError, match=r"ran past eval.vllm.timeout_s=2; see .*slow.log"):
         _run(tmp_path, "slow", target="slow", timeout_s=2)
     assert _run(tmp_path, "after")[0] == 0 and (tmp_path / "after.result.json").is_file()

@@ -196,14 +196,16 @@ def _run_worker(job: dict, paths: list[str], log_path: Path, timeout_s: float, p
         timer.start()
         try:
             for line in lines:
-                if served and line.startswith(SERVED):
-                    word, value = line[len(SERVED) :].split()
+                # the server's own line; `exit` may follow a last line of the child's that has no newline
+                line, said, rest = line.partition(SERVED) if served else (line, "", "")
+                log.write(line)
+                if said:
+                    word, value = rest.split()
                     if word == "pid":
                         child.append(int(value))
                         continue
                     returncode = int(value)  # `exit`: the job is over
                     break
-                log.write(line)
                 if progress and line.startswith(PROGRESS):
                     print("vllm:" + line[len(PROGRESS) :].rstrip(), flush=True)
             if proc is not None:

@@ -203,8 +203,10 @@ def main(argv: list[str]) -> int:
 def serve(kv_cache_gib: str, threads: str) -> int:
     """`--serve KV_CACHE_GIB THREADS`: vLLM imported under the environment that a job of that KV cache and thread
     count sets (`configure_environment`), then, for each line `[JOB.json, RESULT.json]` on stdin, a forked child
-    runs it as `main` would, with a fresh worker's output on the same stdout, and this process says `SERVED pid
-    PID` and, once the child is gone, `SERVED exit CODE` (negative: killed by that signal). Ends when stdin closes."""
+    runs it as `main` would, with a fresh worker's output on the same stdout after its first line `SERVED pid PID`,
+    and once the child is gone this process says `SERVED exit CODE` (negative: killed by that signal). Ends when
+    stdin closes. Each of these lines is one write: with PYTHONUNBUFFERED a `print` is two (text, then newline),
+    and the other process's output could land between them."""
     configure_environment({"kv_cache_gib": kv_cache_gib, "threads": threads})
     from vllm import LLM, SamplingParams  # noqa: F401  # what every job imports first
     from vllm.inputs import TokensPrompt  # noqa: F401
@@ -217,15 +219,19 @@ def serve(kv_cache_gib: str, threads: str) -> int:
         if pid == 0:  # the child: the job, then out, whatever happens (never back into this loop)
             code = 1
             try:
+                _say_served(f"pid {os.getpid()}")  # before anything else the child writes
                 code = main([job_path, result_path])
             except BaseException:
                 traceback.print_exc()
             finally:
                 exit_now(code, handlers=False)
-        print(f"{SERVED} pid {pid}", flush=True)
         _, status = os.waitpid(pid, 0)
-        print(f"{SERVED} exit {os.waitstatus_to_exitcode(status)}", flush=True)
+        _say_served(f"exit {os.waitstatus_to_exitcode(status)}")
     return 0
+
+
+def _say_served(message: str) -> None:
+    os.write(sys.stdout.fileno(), f"{SERVED} {message}\n".encode())
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Just enough of vLLM's API for lab/eval/vllm_worker.py, importable by a worker process (tests/fake_vllm on its
 PYTHONPATH): engines that echo a fixed answer and count drafts like a speculative engine. A model path holding
-`broken` fails to load and one holding `slow` never finishes loading. Each import appends this process's pid to
+`broken` fails to load, one holding `slow` never finishes loading, and one holding `unfinished` writes half a line
+and exits with code 3. Each import appends this process's pid to
 the file $FAKE_VLLM_IMPORTS, where set."""
 
 import os
+import sys
 import time
 from types import SimpleNamespace
 
@@ -26,6 +28,9 @@ class LLM:
             raise RuntimeError(f"fake vllm: cannot load {model}")
         if "slow" in model:
             time.sleep(3600)
+        if "unfinished" in model:
+            os.write(sys.stdout.fileno(), b"fake vllm: half a line")
+            os._exit(3)
         self.calls = 0
 
     def generate(self, prompts, params, use_tqdm=False):
