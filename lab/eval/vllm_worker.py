@@ -32,7 +32,7 @@ from lab import exit_now
 from lab import metrics as metric_keys
 
 PROGRESS = "[lab-vllm]"
-SERVED = "[lab-vllm-serve]"  # a serving process's own lines: `pid PID` of a job's child, then `exit CODE`
+SERVED = "[lab-vllm-serve]"  # the serving protocol: `pid PID` (a job's child, first), `exit CODE` (the server)
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
     "vllm:spec_decode_num_accepted_tokens": "accepted",

@@ -1,8 +1,7 @@
 """Just enough of vLLM's API for lab/eval/vllm_worker.py, importable by a worker process (tests/fake_vllm on its
 PYTHONPATH): engines that echo a fixed answer and count drafts like a speculative engine. A model path holding
 `broken` fails to load, one holding `slow` never finishes loading, and one holding `unfinished` writes half a line
-and exits with code 3. Each import appends this process's pid to
-the file $FAKE_VLLM_IMPORTS, where set."""
+and exits with code 3. Each import appends this process's pid to the file $FAKE_VLLM_IMPORTS, where set."""
 
 import os
 import sys
