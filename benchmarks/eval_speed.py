@@ -9,7 +9,8 @@ as the config says (`--train-steps` to shorten it: the timings hardly depend on 
 its prompts, the seconds of the sequential evaluation, of the target's greedy answers (once per study: every
 run of a study shares them), of the replay's evaluation (its timed sample of `eval.timed_prompts` prompts
 included) and of the replay alone, whether every prompt's rounds came out equal both ways, and AL at the
-deepest k. Then the ratio for one run, and for a study of `--runs` runs that computes the answers once.
+deepest k (the replay's, the decoder's beside it). Then the ratio for one run, and for a study of `--runs` runs
+that computes the answers once.
 
 Where rounds differ (in bfloat16 a near tie can round either way), the column says how many prompt x k did,
 and why each other one parted at its first differing round: `text`, the batched answer is not the prompt's
@@ -132,9 +133,8 @@ def parted(
             if ids[r, : len(seq)].tolist() == seq and int(window[r, 0]) == plen - 1
         )  # fmt: skip
         rounds: list[tuple[list[int], list[int]]] = []  # per decoder round: its drafts, the target's top-1s
-        said = rounds.append
         with _recording(
-            reference, "_accept", lambda out, a, said=said: said((a[0].tolist(), a[2].argmax(-1).tolist()))
+            reference, "_accept", lambda out, a, r=rounds: r.append((a[0].tolist(), a[2].argmax(-1).tolist()))
         ):
             pre = prefill(target.model, suite.prompts[i], drafter.spec.aux_layer_ids)
             drift = DriftProbes(k, n_sink) if probes else None
