@@ -124,10 +124,15 @@ def parted(
         (a[1].cpu(), a[4].cpu(), torch.stack(out.drafts, 1).tolist())
     )):  # fmt: skip
         replay(drafter, answers, ks, suite.max_new_tokens, suite.stop_ids, n_sink, probes)
+    # per prompt (both its k's may differ): is the batched answer the prompt's greedy decoding alone?
+    as_alone = {
+        i: answers.sequences[i][answers.prompt_lens[i] :]
+        == greedy_answers(target.model, [suite.prompts[i]], suite.max_new_tokens + deepest, eos)[0]
+        for i in {i for i, _, _ in differing}
+    }
     causes = []
     for i, k, decoded in differing:
         seq, plen, top = answers.sequences[i], answers.prompt_lens[i], answers.top[i]
-        alone = greedy_answers(target.model, [suite.prompts[i]], suite.max_new_tokens + deepest, eos)[0]
         drafts = next(  # the row of prompt i in the replay's unrolls: drafts[step][p - (plen - 1)]
             d[r] for ids, window, d in chains for r in range(len(ids))
             if ids[r, : len(seq)].tolist() == seq and int(window[r, 0]) == plen - 1
@@ -155,7 +160,7 @@ def parted(
                     cause = "+".join(sides)
                 break
             n, agreed = n + accepted + 1, agreed + 1
-        causes.append(("text" if seq[plen:] != alone else cause, agreed))
+        causes.append((cause if as_alone[i] else "text", agreed))
     return causes
 
 
