@@ -16,7 +16,7 @@ import time
 from lab.config.composition import compose
 from lab.config.shape import aux_layers
 from lab.data.cache import build_or_load
-from lab.data.text import training_sequences
+from lab.data.code_data import training_sequences
 from lab.pipeline import set_threads
 from lab.target import load
 

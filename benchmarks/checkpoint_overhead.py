@@ -1,4 +1,4 @@
-"""Cost of resume checkpoints in training: the same drafter trained with `train.checkpoint_every=0` and
+"""Cost of resume states in training: the same drafter trained with `train.resume_every=0` and
 with the configured interval, alternating over repeats so machine noise hits both alike; prints the
 time ratio and checks that both end with the same weights.
 
@@ -17,7 +17,7 @@ import torch
 from lab.config.composition import compose
 from lab.config.shape import aux_layers
 from lab.data.cache import build_or_load
-from lab.data.text import training_sequences
+from lab.data.code_data import training_sequences
 from lab.drafter import init_drafter
 from lab.pipeline import set_threads
 from lab.target import load
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     args, overrides = parser.parse_known_args()
     cfg = compose(overrides)
-    every = cfg.train.checkpoint_every or 50
+    every = cfg.train.resume_every or 50
     set_threads(cfg)
     target = load(cfg)
     layers = aux_layers(cfg)

@@ -35,10 +35,10 @@ from lab.data.answers import compute_answers, greedy_answers
 from lab.drafter import init_drafter
 from lab.eval import reference
 from lab.eval import replay as replay_module
+from lab.eval.evaluate import evaluate_suite_prompts, timed_prompts
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import prefill, speculative_decode
 from lab.eval.replay import replay
-from lab.eval.run import evaluate_suite_prompts, timed_prompts
 from lab.pipeline import _prepare, set_threads
 from lab.train.ttt import train
 

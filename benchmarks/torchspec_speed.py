@@ -97,7 +97,7 @@ def make_batches(cfg, loss_share: float, n: int = 4) -> tuple[list[tuple], torch
 
 def make_step(cfg, backend: str, batches: list[tuple], lm_head: torch.Tensor):
     """One training step of `backend` on batch i (mod the batches), as `lab.train.ttt.train` steps."""
-    from lab.train.torchspec import TorchSpecTTT
+    from lab.train.torchspec_backend import TorchSpecTTT
 
     t = cfg.train
     drafter = drafter_for(cfg)

@@ -21,7 +21,7 @@ from lab.config.composition import compose
 from lab.data.suites import build_suite
 from lab.drafter import load_checkpoint
 from lab.eval import vllm_backend
-from lab.eval.run import evaluate_suite_prompts
+from lab.eval.evaluate import evaluate_suite_prompts
 from lab.pipeline import set_threads, thread_count
 from lab.target import load
 

@@ -19,11 +19,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from lab.config import ConfigError
 from lab.fsutil import atomic_file, error_line, file_lock, sha256_file

@@ -66,7 +66,7 @@ def train_step_acc(i: int) -> str:
     return f"train/acc_{i}"
 
 
-# evaluation (lab/eval/run.py for the reference decoder, lab/eval/vllm_backend.py for vLLM)
+# evaluation (lab/eval/evaluate.py for the reference decoder, lab/eval/vllm_backend.py for vLLM)
 
 
 def acceptance_length(suite: str, k: int, backend: Backend = "ref") -> str:
@@ -160,7 +160,7 @@ def rollout_accuracy(suite: str = "in_dist") -> str:
     return f"eval/{suite}/rollout/acc"
 
 
-# drift probes (lab/eval/probes.py through lab/eval/run.py)
+# drift probes (lab/eval/probes.py through lab/eval/evaluate.py)
 
 
 def drift(suite: str, k: int, curve: DriftCurve) -> str:

@@ -1,6 +1,6 @@
 """One run, end to end: target -> hidden-state cache -> TTT training -> evaluation -> MLflow.
 
-Training writes a resume checkpoint every `train.checkpoint_every` steps (lab/train/resume.py): a run
+Training writes a resume state every `train.resume_every` steps (lab/train/resume.py): a run
 that is interrupted (Ctrl-C: the MLflow run ends KILLED) or fails is continued by rerunning the same
 command, in a new MLflow run tagged `resumed_from_step` and `resumed_from_run`.
 
@@ -42,12 +42,11 @@ from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_nativ
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
-from lab.eval.run import evaluate_suite_prompts, heldout_evaluation, timed_prompts
+from lab.eval.evaluate import evaluate_suite_prompts, heldout_evaluation, timed_prompts
 from lab.fsutil import claim
 from lab.target import Target
 from lab.target import load as load_target
-from lab.train import resume
-from lab.train import torchspec as torchspec_backend
+from lab.train import resume, torchspec_backend
 from lab.train.loss import ttt_loss
 from lab.train.step import LossFn
 from lab.train.ttt import train
@@ -226,7 +225,7 @@ def run(
         tags["trained_by_run"] = reused[0].trained_by
     t = cfg.tracking
     resume_dir = None
-    if source is None and reused is None and cfg.train.checkpoint_every > 0:
+    if source is None and reused is None and cfg.train.resume_every > 0:
         resume_dir = resume.checkpoint_dir(cfg, target.fingerprint, layers)
     with (
         _resume_checkpoint(resume_dir) as resume_dir,
@@ -375,7 +374,7 @@ def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: Ru
     drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
     checkpoint, state = None, None
     if resume_dir is not None:
-        checkpoint = resume.Checkpointing(resume_dir, cfg.train.checkpoint_every, mlrun.id)
+        checkpoint = resume.Checkpointing(resume_dir, cfg.train.resume_every, mlrun.id)
         state = resume.load(resume_dir, cfg.train.steps)
     if state is not None:
         print(f"resuming training from step {state.step} of {state.steps} (checkpoint {resume_dir.name})")
@@ -407,7 +406,7 @@ def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: Ru
 
 def training_loss(drafter: Eagle3Drafter, tcfg: DictConfig) -> LossFn:
     """The TTT loss of `train.backend`, bound to `drafter`: ours (`ttt_loss`), or TorchSpec's drafter and
-    loss over the same weights (lab/train/torchspec.py)."""
+    loss over the same weights (lab/train/torchspec_backend.py)."""
     if tcfg.backend == "torchspec":
         return torchspec_backend.TorchSpecTTT.for_drafter(drafter, tcfg.ttt_length).loss
     return functools.partial(ttt_loss, drafter)
@@ -436,7 +435,7 @@ def _as_loaded(cfg: DictConfig, info: CheckpointInfo) -> DictConfig:
 
 @contextlib.contextmanager
 def _resume_checkpoint(path: Path | None) -> Iterator[Path | None]:
-    """The run's resume checkpoint folder, held by this process for the run: removed when the run
+    """The run's resume state folder, held by this process for the run: removed when the run
     finishes (its drafter is in MLflow) or is pruned (never resumed), kept when it fails or is
     interrupted (a rerun resumes it). None when checkpointing is off or another process trains the
     same configuration right now (both writing one checkpoint would interleave two runs)."""
@@ -445,7 +444,7 @@ def _resume_checkpoint(path: Path | None) -> Iterator[Path | None]:
         return
     with claim(path.with_name(path.name + ".lock")) as mine:
         if not mine:
-            print(f"resume checkpoint {path.name}: another process trains this configuration now; none for this run")
+            print(f"resume state {path.name}: another process trains this configuration now; none for this run")
             yield None
             return
         try:

@@ -504,13 +504,13 @@ def check_data(cfg: DictConfig) -> None:
         return
     tokenizer = _tokenizer(folder)
     if d.source == DataSource.code:
-        from lab.data import text
+        from lab.data import code_data
 
         for heldout, count, key in ((False, d.num_sequences, "data.num_sequences"),
                                     (True, d.heldout_sequences, "data.heldout_sequences")):  # fmt: skip
-            found = text.available(tokenizer, d, heldout, count)
+            found = code_data.available(tokenizer, d, heldout, count)
             if found < count:
-                raise text.too_few(key, count, found, d)
+                raise code_data.too_few(key, count, found, d)
         return
     from lab.data import chat_data, conversations
     from lab.target.chat_template import chat_format

@@ -129,7 +129,7 @@ def micro_mla_target(micro_mla_cfg):
 
 @pytest.fixture(scope="session")
 def micro_sequences(micro_cfg, micro_target):
-    from lab.data.text import training_sequences
+    from lab.data.code_data import training_sequences
 
     return training_sequences(micro_target.tokenizer, micro_cfg.data)
 

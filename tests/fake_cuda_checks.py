@@ -396,9 +396,9 @@ def test_init_drafter_gives_a_drafter_on_the_targets_device(cfg, loaded, hidden)
 def test_sampled_decoding_and_the_heldout_rollout(loaded, drafter, hidden):
     """The other paths a GPU run takes: the baseline and speculative decoding at temperature 0.9 (sampling on
     the CPU's seeded generator) and the held-out rollout: no device mix, no op without a CUDA kernel."""
-    from lab.data.text import Sequences
+    from lab.data.code_data import Sequences
+    from lab.eval.evaluate import heldout_evaluation
     from lab.eval.reference import speculative_decode, target_decode
-    from lab.eval.run import heldout_evaluation
 
     prompt, model = list(range(5, 15)), loaded.target.model
     with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
@@ -422,7 +422,7 @@ def test_a_whole_run(cfg, tmp_path):
 
     small = {
         "data": {"num_sequences": 16, "heldout_sequences": 4},
-        "train": {"steps": 2, "checkpoint_every": 0},
+        "train": {"steps": 2, "resume_every": 0},
         "eval": {"num_prompts": 2, "max_new_tokens": 8},
         "tracking": {"uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "artifact_root": str(tmp_path / "artifacts")},
     }

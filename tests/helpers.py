@@ -101,7 +101,7 @@ def default_sigint() -> None:
 
 def evaluate_suite(target_model, drafter: Eagle3Drafter, suite, ks: list[int], **kwargs) -> dict:
     """A suite's evaluation metrics alone (`evaluate_suite_prompts(...).metrics`)."""
-    from lab.eval.run import evaluate_suite_prompts
+    from lab.eval.evaluate import evaluate_suite_prompts
 
     return evaluate_suite_prompts(target_model, drafter, suite, ks, **kwargs).metrics
 

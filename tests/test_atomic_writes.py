@@ -1,4 +1,4 @@
-"""Writes that cannot be left half-done: the hidden-state cache, the regeneration's parts, resume checkpoints,
+"""Writes that cannot be left half-done: the hidden-state cache, the regeneration's parts, resume states,
 drafter checkpoints, reports and study archives are whole or absent after a full disk or a kill, and the next
 run notices and writes them whole (lab/fsutil.py: a temp name, fsync, a rename).
 
@@ -10,7 +10,7 @@ Each kind of write meets two faults, on real files in tmp_path:
 - SIGKILL between a write and its rename (`killed_before_rename`: the writer runs in a child process whose
   `os.replace` kills it just before the chosen rename, so the new content is on disk under its temp name):
   the final path holds the previous whole version or nothing, and the next run notices (the cache resumes
-  from its whole shards, the regeneration redoes the part, a resume checkpoint loads the old step or none, a
+  from its whole shards, the regeneration redoes the part, a resume state loads the old step or none, a
   checkpoint cut short in a shared folder is refused) and writes it whole, removing the killed write's
   leftover.
 """
@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 
 from lab.data import cache
 from lab.data import regenerate as regen
-from lab.data.text import Sequences
+from lab.data.code_data import Sequences
 from lab.drafter import load_checkpoint, save_native, save_speculators
 from lab.drafter.formats import CheckpointError
 from lab.target import Target
@@ -345,11 +345,11 @@ def test_regeneration_killed_before_a_part_rename_redoes_that_part(micro_target,
     assert leftovers(cache_dir) == []
 
 
-# ------------------------------------------------------------------------------------- resume checkpoints
+# ------------------------------------------------------------------------------------- resume states
 
 
 def train_state(step: int) -> resume.TrainState:
-    """A resume checkpoint's state at `step` of 10 (a small drafter's weights, made-up optimizer state)."""
+    """A resume state's state at `step` of 10 (a small drafter's weights, made-up optimizer state)."""
     drafter = small_drafter(step)
     return resume.TrainState(
         step=step,
@@ -371,7 +371,7 @@ def save_state(path: Path, step: int) -> None:
 
 
 def loaded_step(path: Path) -> int | None:
-    """The step of the resume checkpoint at `path`, checked against its manifest, or None (none usable)."""
+    """The step of the resume state at `path`, checked against its manifest, or None (none usable)."""
     state = resume.load(path, steps=10)
     if state is None:
         return None

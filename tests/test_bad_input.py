@@ -485,7 +485,7 @@ def test_every_subprocess_row_is_a_row():
 @pytest.mark.slow
 def test_too_few_code_sequences_are_refused_before_any_model_loads(micro_overrides, micro_target, monkeypatch, capsys):
     """With the built target's tokenizer on disk, `lab run`'s preflight counts the code data's sequences as the
-    data stage will (lab/data/text.py): asking for more than the corpus split holds is one line and exit 2,
+    data stage will (lab/data/code_data.py): asking for more than the corpus split holds is one line and exit 2,
     and no model is loaded."""
     import transformers
 

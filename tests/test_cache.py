@@ -109,7 +109,7 @@ def test_heldout_states_are_captured_once_and_give_the_rollout_of_a_fresh_captur
 ):
     """The rollout reads the target's side from the cache exactly as from its own capture, and a second run
     does no target forward; a corrupted entry is captured again, other held-out ids get their own entry."""
-    from lab.eval.run import heldout_evaluation
+    from lab.eval.evaluate import heldout_evaluation
 
     drafter = trained_eagle31[0]
     heldout = micro_sequences[1]
@@ -192,7 +192,7 @@ cfg = compose(overrides)
 if what == "hidden":
     from safetensors.torch import save_file
     from lab.data.cache import build_or_load
-    from lab.data.text import training_sequences
+    from lab.data.code_data import training_sequences
     from lab.target import load
 
     target = load(cfg, progress=False)

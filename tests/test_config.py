@@ -403,7 +403,7 @@ def test_a_key_added_with_a_default_keeps_the_hash():
         compose(["drafter=eagle31", "train.steps=7", "seed=3", "train.min_lr_ratio=0.2"])
     ) != config_hash(cfg)
     # where it is tracked, how it is labelled and how often it saves progress are not what it computes
-    same = ["drafter=eagle31", "train.steps=7", "seed=3", "study=x", "arm=y", "threads=1", "train.checkpoint_every=3"]
+    same = ["drafter=eagle31", "train.steps=7", "seed=3", "study=x", "arm=y", "threads=1", "train.resume_every=3"]
     assert config_hash(compose(same)) == config_hash(cfg)
     # nor the device it runs on; its precision is, where a run asks for one (`auto`, the default, adds nothing)
     for device in ("cpu", "cuda", "auto"):

@@ -20,11 +20,11 @@ from lab.config import ConfigError, DrafterConfig, TrainConfig
 from lab.config.composition import compose
 from lab.config.identity import config_hash
 from lab.data.cache import build_or_load
-from lab.data.text import Sequences
+from lab.data.code_data import Sequences
 from lab.device import resolve_device
 from lab.drafter import init_drafter
+from lab.eval.evaluate import heldout_evaluation
 from lab.eval.reference import speculative_decode, target_decode
-from lab.eval.run import heldout_evaluation
 from lab.pipeline import resolved_device
 from lab.preflight import check_target
 from lab.target import load
@@ -155,7 +155,7 @@ def _run(target: Target, cache_dir: Path) -> dict:
     dcfg = OmegaConf.structured(DrafterConfig(name="t", draft_vocab_size=50, fc_norm="per_layer", norm_output=True))
     counts = torch.bincount(seqs.input_ids.flatten(), minlength=100)
     drafter = init_drafter(target, dcfg, LAYERS, seed=0, token_counts=counts).to(target.device)
-    tcfg = OmegaConf.structured(TrainConfig(steps=4, batch_size=4, warmup_steps=1, log_every=2, checkpoint_every=0))
+    tcfg = OmegaConf.structured(TrainConfig(steps=4, batch_size=4, warmup_steps=1, log_every=2, resume_every=0))
     result = train(drafter, hidden, target.lm_head_weight, tcfg, seed=0, progress=False)
     prompt, decoded = seqs.input_ids[0, :10].tolist(), []
     for temperature in (0.0, 0.9):

@@ -73,7 +73,7 @@ def test_checkpoint_without_manifest_still_loads(tmp_path):
     assert torch.equal(load_checkpoint(out).fc.weight, drafter.fc.weight)
 
 
-# -- resume checkpoints -------------------------------------------------------------------------------
+# -- resume states -------------------------------------------------------------------------------
 
 
 def _state(step: int = 4, steps: int = 10) -> resume.TrainState:
@@ -113,7 +113,7 @@ def test_corrupted_resume_checkpoint_is_ignored(tmp_path, capsys, name):
     assert resume.load(path, steps=10) is None
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [
-        f"resume checkpoint {path}: {name} does not match its manifest hash (corrupted or truncated); "
+        f"resume state {path}: {name} does not match its manifest hash (corrupted or truncated); "
         "ignoring it, training from scratch"
     ]
 
@@ -125,7 +125,7 @@ def test_corrupted_resume_checkpoint_trains_from_scratch(micro_overrides, micro_
     from lab.pipeline import RunHooks, run
 
     overrides = [*micro_overrides, *_store(tmp_path), "study=faults", "seed=4243"]
-    cfg = compose([*overrides, "train.steps=6", "train.checkpoint_every=3", "eval.num_prompts=1"])
+    cfg = compose([*overrides, "train.steps=6", "train.resume_every=3", "eval.num_prompts=1"])
     path = resume.checkpoint_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
 
     def stop_at_5(metrics, step):
@@ -139,7 +139,7 @@ def test_corrupted_resume_checkpoint_trains_from_scratch(micro_overrides, micro_
     capsys.readouterr()
     result = run(cfg, progress=False)
     out = capsys.readouterr().out
-    assert f"resume checkpoint {path}: optimizer.safetensors does not match its manifest hash" in out
+    assert f"resume state {path}: optimizer.safetensors does not match its manifest hash" in out
     assert "resuming" not in out
     runs = {r.info.run_id: r for r in track.search_runs(cfg.tracking.uri, "faults")}
     assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "KILLED"]
@@ -171,7 +171,7 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
     from lab.pipeline import run
 
     # a seed of its own: the checkpoint key (and folder) differs from every other test's
-    overrides = [*micro_overrides, "study=faults", "seed=4242", "train.steps=40", "train.checkpoint_every=5"]
+    overrides = [*micro_overrides, "study=faults", "seed=4242", "train.steps=40", "train.resume_every=5"]
     cfg = compose([*overrides, *_store(tmp_path / "a")])
     path = resume.checkpoint_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
     cmd = [sys.executable, "-m", "lab.cli", "run", *overrides, *_store(tmp_path / "a")]
@@ -203,7 +203,7 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
     assert not path.exists()
 
     # the same training uninterrupted, in this process, into another store
-    straight = run(compose([*overrides, *_store(tmp_path / "b"), "train.checkpoint_every=0"]), progress=False)
+    straight = run(compose([*overrides, *_store(tmp_path / "b"), "train.resume_every=0"]), progress=False)
     uri_b = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
     with tempfile.TemporaryDirectory() as tmp:
         a = load_checkpoint(track.run_checkpoint(cfg.tracking.uri, run_id, Path(tmp) / "a")[0]).state_dict()

@@ -288,3 +288,41 @@ def test_only_the_adapter_touches_optunas_private_api():
     assert not found, "Optuna's private API outside lab/sweep/optuna_adapter.py:\n" + "\n".join(found)
     adapter = (LAB / "sweep" / "optuna_adapter.py").read_text()
     assert "._trial_id" in adapter and "get_storage(" in adapter  # the check above looks for the right names
+
+
+def test_the_target_folders_are_committed_under_a_global_excludes_file_that_lists_target(tmp_path):
+    """`target/` is a line of GitHub's Python, Maven, Rust and sbt .gitignore templates, which many keep as their
+    global excludes: the repository's .gitignore re-includes lab/target/ and configs/target/ over it."""
+    import shutil
+    import subprocess
+
+    repo, excludes = tmp_path / "repo", tmp_path / "global_ignore"
+    excludes.write_text("target/\n__pycache__/\n")
+    for folder in ("lab/target", "configs/target", "lab/eval"):
+        (repo / folder).mkdir(parents=True)
+        (repo / folder / "a.py").write_text("x = 1\n")
+    (repo / "build" / "target").mkdir(parents=True)  # elsewhere `target/` stays ignored, as its owner asked
+    (repo / "build" / "target" / "a.o").write_text("")
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
+
+    def git(*args: str) -> str:
+        env = {
+            "GIT_CONFIG_GLOBAL": "/dev/null",
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "HOME": str(tmp_path),
+            "PATH": "/usr/bin:/bin",
+        }
+        config = ["-c", f"core.excludesFile={excludes}", "-c", "user.name=t", "-c", "user.email=t@t"]
+        return subprocess.run(
+            ["git", *config, *args], cwd=repo, env=env, check=True, capture_output=True, text=True
+        ).stdout
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "all")
+    committed = set(git("ls-files").split())
+    assert {"lab/target/a.py", "configs/target/a.py", "lab/eval/a.py"} <= committed
+    assert "build/target/a.o" not in committed
+    # and without the re-includes the same commit would lose them: the test can fail
+    (repo / ".gitignore").write_text("")
+    assert git("check-ignore", "--no-index", "lab/target/a.py").strip() == "lab/target/a.py"

@@ -152,9 +152,9 @@ def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
     import torch
     from helpers import small_drafter, small_target
 
+    from lab.data.code_data import Sequences
     from lab.data.suites import Suite
-    from lab.data.text import Sequences
-    from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
+    from lab.eval.evaluate import evaluate_suite_prompts, heldout_evaluation
 
     model = small_target(0)
     drafter = small_drafter(0)

@@ -206,7 +206,7 @@ def test_drafter_key_covers_what_trains_and_nothing_else(micro_overrides, micro_
 
     base = key()
     assert base == key()
-    for same in ("train.reuse=false", "train.log_every=3", "train.checkpoint_every=7", "eval.num_prompts=1", "study=x"):
+    for same in ("train.reuse=false", "train.log_every=3", "train.resume_every=7", "eval.num_prompts=1", "study=x"):
         assert key(same) == base, same
     for other in ("seed=1", "train.steps=7", "drafter=eagle31", "data.seq_len=48"):
         assert key(other) != base, other

@@ -225,9 +225,9 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
     import numpy as np
     from helpers import small_drafter, small_target
 
+    from lab.data.code_data import Sequences
     from lab.data.suites import Suite
-    from lab.data.text import Sequences
-    from lab.eval.run import evaluate_suite_prompts, heldout_evaluation
+    from lab.eval.evaluate import evaluate_suite_prompts, heldout_evaluation
     from lab.report import paired
 
     model = small_target(0)

@@ -127,7 +127,7 @@ def test_the_replay_equals_the_decoder_round_by_round(micro_target, suites, draf
 def test_a_replayed_run_checks_itself_on_its_timed_prompts(micro_target, suites, trained_eagle31):
     """A replayed evaluation decodes its timed prompts: it logs the share whose rounds equal the replay's (what
     a bfloat16 run on a GPU reports) and keeps the decoder's counts beside the replay's in the per-prompt file."""
-    from lab.eval.run import evaluate_suite_prompts
+    from lab.eval.evaluate import evaluate_suite_prompts
 
     drafter = trained_eagle31[0]
     suite, answers = suites[2]  # template: several variants, so the per-variant keys too

@@ -110,7 +110,7 @@ def test_forward_parity(fc_norm, norm_output, attention, tmp_path):
     """Step by step: the projected features, every step's logits and the hidden state fed to the next
     step equal TorchSpec's, for each combination of the two EAGLE 3.1 changes, with Llama's attention and
     with DeepSeek's latent attention (MLA: TorchSpec's own GPT-J rotary and softmax scale, plain or YaRN)."""
-    from lab.train.torchspec import TorchSpecTTT
+    from lab.train.torchspec_backend import TorchSpecTTT
 
     length = 4
     drafter = _drafter(fc_norm, norm_output, attention=attention)
@@ -156,7 +156,7 @@ def test_loss_and_gradient_parity(fc_norm, norm_output, draft_vocab, attention, 
     """The TTT loss (every step's loss, the 0.8**i weighted sum, the accuracies) and its gradient with
     respect to every trained weight equal TorchSpec's, with the full and with a pruned draft vocabulary, for
     the GQA and (as EAGLE-3 and EAGLE 3.1) the MLA drafter."""
-    from lab.train.torchspec import TorchSpecTTT
+    from lab.train.torchspec_backend import TorchSpecTTT
 
     length = 3
     drafter = _drafter(fc_norm, norm_output, draft_vocab, attention=attention)
@@ -190,7 +190,7 @@ def test_backend_trains_the_drafters_own_weights(attention, tmp_path):
     optimizer steps, the metrics and the trained weights are the drafter's, and they match the native
     backend's after a few steps (same data order and seed), for the GQA and the MLA drafter."""
     from lab.pipeline import training_loss  # the backend's loss, as `lab run` picks it
-    from lab.train.torchspec import build_model
+    from lab.train.torchspec_backend import build_model
 
     drafter = _drafter("per_layer", True, attention=attention)
     model = build_model(drafter)

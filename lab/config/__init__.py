@@ -255,8 +255,8 @@ class TrainConfig:
     grad_clip: float = checked(0.5, above=0.0)  # the gradient's norm is clipped to it at every step
     step_weight: float = checked(0.8, above=0.0, max=1.0)  # loss weight of TTT step i is step_weight**i
     log_every: int = checked(10, **POSITIVE)
-    # a resume checkpoint every N steps under {cache_dir}/checkpoints/ (0: none); a rerun continues from it
-    checkpoint_every: int = checked(50, min=0)
+    # a resume state every N steps under {cache_dir}/resume/ (0: none); a rerun continues from it
+    resume_every: int = checked(50, min=0)
     # take the drafter of a finished run (of any study in the store) that trained the same weights: same
     # target, data, drafter, training, seed and training code (tag `train_key`); false trains again
     reuse: bool = True
@@ -371,7 +371,7 @@ SUITES_FOR_DATA = {
 CHAT_ONLY_SUITES = (SuiteKind.mtbench, SuiteKind.humaneval)
 
 # a training sequence leaves the assistant this many tokens at least: code data keeps sequences with as many
-# assistant tokens (lab/data/text.py); conversations, those whose first prompt leaves this room (chat_data.py)
+# assistant tokens (lab/data/code_data.py); conversations, those whose first prompt leaves this room (chat_data.py)
 MIN_ASSISTANT_TOKENS = 16
 MIN_ASSISTANT_ROOM = 32
 

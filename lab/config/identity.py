@@ -76,7 +76,7 @@ def config_hash(cfg: DictConfig | dict) -> str:
     data = to_container(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
     for key in ("tracking", "study", "arm", "cache_dir", "threads", "device", "gpus", "kv_cache"):
         data.pop(key, None)
-    for key in ("checkpoint_every", "reuse"):
+    for key in ("resume_every", "checkpoint_every", "reuse"):  # checkpoint_every: resume_every's old name
         data.get("train", {}).pop(key, None)
     changed = _changed(data, _schema_defaults(data))
     identity = {"scheme": CONFIG_HASH_SCHEME, "config": {} if changed is _NOT_SET else changed}

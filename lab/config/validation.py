@@ -176,7 +176,7 @@ def _validate_lengths(cfg: DictConfig) -> None:
             f"expected at most the target's max positions ({positions}), got {d.seq_len}",
         )
     if d.source == DataSource.code:
-        # BOS, the request, the last seq_len/4 tokens of code, then the answer (lab/data/text.py)
+        # BOS, the request, the last seq_len/4 tokens of code, then the answer (lab/data/code_data.py)
         least = next(n for n in range(2, 4 * MIN_ASSISTANT_TOKENS) if n - n // 4 - 1 >= MIN_ASSISTANT_TOKENS)
         if d.seq_len < least:
             raise ConfigError(

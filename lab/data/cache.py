@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from lab.data.text import Sequences, training_sequences
+from lab.data.code_data import Sequences, training_sequences
 from lab.fsutil import (
     atomic_file,
     file_lock,
@@ -284,7 +284,7 @@ def _capture_heldout(
 
 
 def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> tuple[Sequences, Sequences]:
-    """data=code's (train, held-out) sequences (lab/data/text.py `training_sequences`), chosen once and kept in
+    """data=code's (train, held-out) sequences (lab/data/code_data.py `training_sequences`), chosen once and kept in
     `{cache_dir}/sequences/{key}/`: choosing them renders and encodes every conversation of the corpus split
     (13 s a run at tiny_code's 12 MB on 2 cores), the same for every run of a study. The key hashes the
     target's fingerprint, the data config and the corpus; an entry that no longer matches its manifest hash is

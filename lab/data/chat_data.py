@@ -17,8 +17,8 @@ from omegaconf import DictConfig
 from lab import metrics as metric_keys
 from lab.config import MIN_ASSISTANT_ROOM, ConfigError, DataSource
 from lab.data import conversations as convs
+from lab.data.code_data import Sequences
 from lab.data.regenerate import regenerate
-from lab.data.text import Sequences
 from lab.target import Target
 from lab.target.chat_template import HandChat, TokenizerChat, chat_format
 

@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 
 from lab.config import ConfigError, DataSource, SuiteKind
 from lab.data.chat_suites import ChatSuiteInputs, build_chat_prompts
+from lab.data.code_data import corpus_files
 from lab.data.conversations import jsonl_rows
-from lab.data.text import corpus_files
 from lab.target import chat
 from lab.target.chat_template import HandChat, TokenizerChat
 

@@ -3,7 +3,7 @@ percentile interval from a paired bootstrap over seeds and prompts.
 
 Arms of one study share seeds, data order and prompts, so an arm and the baseline are compared prompt by
 prompt within each seed. The runs record, per prompt (per held-out sequence for the rollout), additive
-counts (`per_prompt/{suite}.json`, `per_prompt/rollout.json`, written by lab/eval/run.py): a metric is a
+counts (`per_prompt/{suite}.json`, `per_prompt/rollout.json`, written by lab/eval/evaluate.py): a metric is a
 function of their sums over the prompts, pooled exactly as the logged metric pools them (AL = 1 +
 sum(accepted) / sum(rounds)). A study's value of an arm is the mean over seeds of that pooled metric, the
 number the tables show. One bootstrap replicate resamples the seeds with replacement and, within each

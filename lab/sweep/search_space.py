@@ -44,7 +44,7 @@ from lab.sweep.spec_schema import ParamSpec, SweepSpec
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
 PRUNE_METRIC = metric_keys.train_stat("simulated_acc_len")
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
-_PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.checkpoint_every=")
+_PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.resume_every=")
 SPEC_FILE = PathRule("file", "yaml")  # `sweep=PATH.yaml`
 
 

@@ -1,6 +1,6 @@
-"""Resume checkpoints of the TTT trainer: an interrupted `lab run` continues where it stopped.
+"""Resume states of the TTT trainer: an interrupted `lab run` continues where it stopped.
 
-Layout: `{cache_dir}/checkpoints/{key}/` with `model.safetensors` (the drafter's state),
+Layout: `{cache_dir}/resume/{key}/` with `model.safetensors` (the drafter's state),
 `optimizer.safetensors` (AdamW's per-parameter state), `data.safetensors` (the data-order permutation
 and the generator state), `state.json` (step, cursor, the metrics window and history, float16's loss scale) and
 `manifest.json` (each file's sha256, `step`, `steps`, the MLflow run that wrote it). Safetensors and
@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json")
 FORMAT = 1
 # keys that change how a run is watched or whether it trains, not the weights it trains
-_NOT_IN_KEY = ("checkpoint_every", "log_every", "reuse")
+_NOT_IN_KEY = ("resume_every", "log_every", "reuse")
 # the code that turns a training's config into weights: lab/ paths, hashed into `drafter_key`
 TRAINING_CODE = ("train", "drafter", "schedule.py", "device.py")
 
@@ -56,8 +56,8 @@ def training_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]
 
 
 def checkpoint_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
-    """Where the resume checkpoint of this training lives."""
-    return Path(cfg.cache_dir) / "checkpoints" / training_key(cfg, target_fingerprint, aux_layers)
+    """Where the resume state of this training lives."""
+    return Path(cfg.cache_dir) / "resume" / training_key(cfg, target_fingerprint, aux_layers)
 
 
 def drafter_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int], external: dict[str, str]) -> str:
@@ -79,7 +79,7 @@ def drafter_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int],
 
 @dataclass
 class Checkpointing:
-    """Write a resume checkpoint to `path` every `every` steps (and after the last); `run_id` is
+    """Write a resume state to `path` every `every` steps (and after the last); `run_id` is
     recorded as the run that wrote it."""
 
     path: Path
@@ -140,7 +140,7 @@ def load(path: Path, steps: int) -> TrainState | None:
         return None
 
     def refuse(why: str) -> None:
-        print(f"resume checkpoint {path}: {why}; ignoring it, training from scratch")
+        print(f"resume state {path}: {why}; ignoring it, training from scratch")
 
     try:
         manifest = json.loads(mf.read_text())
@@ -196,7 +196,7 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print("\ninterrupt: stopping after this step (a resume checkpoint is written); Ctrl-C again to stop now")
+        print("\ninterrupt: stopping after this step (a resume state is written); Ctrl-C again to stop now")
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:

@@ -241,7 +241,7 @@ def _unmapped(cfg: DictConfig) -> list[str]:
         "chat template: TorchSpec renders conversations with the target tokenizer's own chat template and adds"
         " its template's default system prompt to conversations without one; a target built by the workbench"
         " has no tokenizer chat template, so give it a pretokenized dataset (Parquet with input_ids + loss_mask).",
-        f"resume checkpoints (train.checkpoint_every={t.checkpoint_every}) and train.log_every: TorchSpec's own"
+        f"resume states (train.resume_every={t.resume_every}) and train.log_every: TorchSpec's own"
         " training.save_interval and logging.",
         "more training GPUs: global batch = micro_batch_size x GPUs x draft_accumulation_steps; divide"
         f" micro_batch_size to keep ours ({t.batch_size} sequences).",

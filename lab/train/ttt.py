@@ -71,7 +71,7 @@ def train(
     backend, e.g. `TorchSpecTTT.for_drafter(drafter, ttt_length).loss` for `train.backend=torchspec`
     (lab/pipeline.py `training_loss`); None is the native `ttt_loss`, for `train.backend=native` only.
 
-    With `checkpoint`, a resume checkpoint is written every `checkpoint.every` steps and after the last,
+    With `checkpoint`, a resume state is written every `checkpoint.every` steps and after the last,
     and Ctrl-C stops after the current step with a checkpoint. With `resume` (such a checkpoint, of the
     same training), training continues from its step and ends with the weights an uninterrupted run
     would have, bit for bit (same thread count); the metrics it logged are sent to `log` again first.
@@ -85,7 +85,7 @@ def train(
     opt = optimizer(params, tcfg)
     device = params[0].device
     precision = lm_head_weight.dtype
-    # disabled (every call passes through) unless float16; its loss scale travels in the resume checkpoint
+    # disabled (every call passes through) unless float16; its loss scale travels in the resume state
     scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(data), generator=gen)

@@ -6,7 +6,7 @@ CPU; only its training entry needs CUDA, Ray and Mooncake, and that entry is not
 
 The TorchSpec module (`LlamaForCausalLMEagle3`, or `Eagle3DeepseekV2ForCausalLM` for drafter.attention=mla;
 one `midlayer`) is built from the same draft config JSON that `lab export` writes, and its parameters ARE
-the workbench drafter's (shared tensors, not copies): the optimizer, resume checkpoints, the exported
+the workbench drafter's (shared tensors, not copies): the optimizer, resume states, the exported
 checkpoint and the reference evaluator all see the weights TorchSpec trains, and nothing is converted back.
 Per batch, `Eagle3Model.forward` unrolls the TTT steps (its attention cache, its feedback with `norm_output`,
 its compiled forward-KL loss against the target's lm_head applied to the cached final states, as in

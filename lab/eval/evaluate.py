@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 from lab import metrics as metric_keys
 from lab.data.answers import Answers
 from lab.data.cache import HeldoutStates, capture_heldout
+from lab.data.code_data import Sequences
 from lab.data.suites import Suite
-from lab.data.text import Sequences
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.eval.probes import DriftProbes, fc_share, pooled_rollout_accuracy, rollout_counts
