@@ -18,12 +18,11 @@ HAVE ?=
 # `make test`: the suite on TEST_WORKERS pytest-xdist processes, each training at one thread (LAB_TEST_THREADS=1;
 # docs/testing.md: the verdicts are the same at 1 and 2); TEST_WORKERS=0: one process. Four on CI's 2 cores: one
 # worker's CPU work fills the gaps where another waits on a server or a subprocess, and beside other busy
-# processes the suite keeps a larger share of the cores (beside two: 48.5 min with three workers;
-# 34.7 and 42.9 min with four, docs/testing.md)
+# processes the suite keeps a larger share of the cores (docs/testing.md has the timings)
 TEST_WORKERS ?= 4
 # Python keeps the byte code it compiles, here and in every process the recipes start: the install leaves
-# compiling to first use (scripts/install.py: 150 s of pip's 4 minutes on 2 cores), and with
-# PYTHONDONTWRITEBYTECODE set (as some machines do) every process would compile its imports again
+# compiling to first use (scripts/install.py), and with PYTHONDONTWRITEBYTECODE set (as some machines do)
+# every process would compile its imports again
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install install-offline wheelhouse browser postgres test test-fast demo lint clean-cache

@@ -1,39 +1,21 @@
-"""What capturing the target's hidden states for the drafter's cache costs over the target's plain forward,
-measured side by side on the same batches, and where both stand against this machine's GEMM roofline.
+"""What capturing the target's hidden states for the drafter's cache costs over the target's plain forward, and
+where both stand against this machine's GEMM roofline.
 
-Two variants run over the same random token batches (speed does not depend on the text), interleaved
-round by round (A B A B ...) so that machine noise hits both alike, after one untimed call of each:
-
-  A  plain forward: the target's base model (every decoder layer and the final norm, no lm_head, no
-     hidden states returned, no KV cache): the cheapest forward that computes the layers capture needs;
-  B  capture: exactly what the hidden-state cache builder does per batch (`lab.data.cache.capture_batch`:
-     the forward with the aux layers' states copied out, aux and final converted to the cache's bfloat16).
-
-Each round prints tokens/s of both (by wall clock, and per CPU second: the process's CPU time, which
-waiting for a busy core does not count) and the ratio B/A; the summary gives the median overhead in
-percent against the budget of 10 %. Writing a shard (safetensors file and its sha256, as the builder
-does per 256 sequences) is timed apart on one line, per token, and is not part of the overhead.
-`--all-states` adds a third variant C, capture as it was before forward hooks (`output_hidden_states=True`,
-every layer's state kept, concatenated in the model's dtype, then converted); transformers then leaves its
-recording hooks on every layer, idle but called, in all three variants alike.
-
-The roofline: torch.mm at the shapes of the target's linear layers ([batch x seq-len, in] x [in, out], the
-weight stored [out, in] as nn.Linear keeps it) and one large square product, in float32 (and in
-bfloat16 with --dtype bfloat16), as GFLOP/s; the best of them is the measured peak. The forward's FLOPs
-are 2 x (weights of the base model's linear layers) x tokens plus attention's two products over the
-causal triangle (2 x 2 x heads x head_dim x T(T+1)/2 per sequence and layer); its achieved GFLOP/s
-(median round, by wall clock, and by CPU time x threads, which a busy machine's waiting does not
-inflate) is given for each variant as a share of the peak, together with the share of its time the linear
-layers alone would take at the measured GEMM rates of their own shapes. The processor's name and the
-vector instructions torch uses on it are printed with the roofline.
+The plain forward (the base model alone: no lm_head, no hidden states returned, no KV cache) and capture as the
+cache builder does it (`lab.data.cache.capture_batch`) run over the same random batches, interleaved round by
+round so that machine noise hits both alike. Each round prints tokens/s by wall clock and per CPU second (which
+waiting for a busy core does not count); the summary gives the median overhead against a 10 % bound. Writing a
+shard is timed apart. `--all-states` adds capture through `output_hidden_states=True` for comparison. The roofline
+is torch.mm at the target's linear-layer shapes, and each variant's achieved GFLOP/s is a share of its peak
+(docs/benchmarks.md#capture-overhead says how each figure is counted).
 
     .venv/bin/python benchmarks/capture_overhead.py [--target smollm2|micro] [--batch 4] [--seq-len 512]
         [--batches 2] [--rounds 5] [--threads N] [--dtype float32|bfloat16] [--all-states]
         [--no-roofline] [hydra overrides...]
 
-`--target smollm2` (default) is SmolLM2-135M (`target=smollm2`, converted on first use), `micro` the
-micro target (`profile=micro`, built on first use in about a minute); overrides apply on top (e.g.
-`drafter.aux_layers=[1,8,20]`). On a machine whose cores are busy with other work, use `--threads 1`.
+`--target smollm2` (default) is SmolLM2-135M (`target=smollm2`), `micro` the micro target (`profile=micro`);
+overrides apply on top (e.g. `drafter.aux_layers=[1,8,20]`). On a machine whose cores are busy with other work,
+use `--threads 1`.
 """
 
 from __future__ import annotations
@@ -60,7 +42,7 @@ from lab.target import load
 
 TARGETS = {"smollm2": ["target=smollm2"], "micro": ["profile=micro"]}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BUDGET = 0.10  # issue 18: capture may cost at most 10 % over the plain forward
+BUDGET = 0.10  # the most capture may add to the plain forward it rides on
 
 
 @torch.no_grad()

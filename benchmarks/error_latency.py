@@ -5,7 +5,7 @@
 Each round runs `python -c pass` and then, for each bad input below, `lab run OVERRIDE` in a fresh process
 (the CLI as a user calls it), and times each until it exits. Prints per input the median wall time, its ratio
 to `python -c pass` in the same rounds, and checks that each was refused with exit code 2 and one stderr line.
-Config and spec validation import neither torch, mlflow nor vllm, so these stay well under 2 s.
+Config and spec validation import neither torch, mlflow nor vllm, so a refusal waits on no heavy import.
 """
 
 from __future__ import annotations

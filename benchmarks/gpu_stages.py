@@ -255,7 +255,7 @@ def main() -> int:
         from lab.drafter import ttt_attention
 
         # the step's FLOPs by formula (every kernel does the portable kernel's math), and torch's count beside it
-        # where the counter can count (it refused grouped-query SDPA on CUDA)
+        # where the counter can count (it refuses grouped-query SDPA on CUDA)
         in_draft = torch.zeros(vocab, dtype=torch.bool, device=device)
         in_draft[drafter.draft_token_ids()] = True
         top = torch.stack([(final.float() @ target.lm_head_weight.float().T).argmax(-1) for final in batch[2]])

@@ -1,7 +1,7 @@
 """Regeneration's two schedules on the SmolLM2 target, side by side: the rolling pool that
 `lab.data.regenerate` uses (a conversation's next turn starts as soon as its last one is answered, a freed
-place goes to the next conversation) against the waves it replaced (within each chunk, every conversation's
-first assistant turn as one batch, then every second one, ...).
+place goes to the next conversation) against waves (within each chunk, every conversation's first assistant
+turn as one batch, then every second one, ...), whose batches thin out at each chunk's end.
 
     .venv/bin/python benchmarks/regenerate_schedule.py [--conversations 64] [--chunk 32] [--max-new-tokens 256]
         [--seq-len 512] [--rounds 2] [--backend vllm] [--dtype auto] [--threads N]
@@ -28,7 +28,7 @@ from lab.target.generate import open_generator, resolve_dtype
 
 
 def waves(generate, chat, tokenizer, chunks, max_new_tokens: int, seq_len: int) -> list[dict]:
-    """The schedule regeneration used before the pool: per chunk, one batch per assistant-turn index."""
+    """The per-chunk waves the pool is measured against: per chunk, one batch per assistant-turn index."""
     records = []
     for chunk in chunks:
         states = [regen._state(c) for c in chunk]

@@ -1,11 +1,11 @@
 """The static KV cache's step compiled once for every bucket (`dynamic=True`, lab/target/static_decode.py) against
-once a bucket (`dynamic=False`, as before 2026-11-28), side by side on this device: per bucket met, the first
+once a bucket (`dynamic=False`), side by side on this device: per bucket met, the first
 batch's seconds (a compile, or only a CUDA graph's recording) and the next's, the graphs dynamo compiled, and
 whether the tokens equal the dynamic cache's. On the CPU the step is compiled here too (the workbench runs it
 eagerly there), so the compile counts and the tokens can be checked anywhere; the seconds that matter are a GPU's.
 
     .venv/bin/python benchmarks/static_compile.py              # CUDA: a random SmolLM2-135M-shaped target
-    .venv/bin/python benchmarks/static_compile.py --small      # a 2-layer toy: the CPU check (about 2 minutes)
+    .venv/bin/python benchmarks/static_compile.py --small      # a 2-layer toy: the CPU check
 """
 
 from __future__ import annotations

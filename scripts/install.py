@@ -169,16 +169,17 @@ def install(extras: str, wheels: str | None) -> str:
     else:
         pins = []
     target = f"{ROOT}[{','.join(names)}]" if names else str(ROOT)
-    # --no-compile: pip would byte-compile all ~29,000 modules it installs (150 s of a 4-minute install on 2
-    # cores, measured); Python compiles the few thousand a run imports on first use and keeps them, except
-    # where PYTHONDONTWRITEBYTECODE forbids it (each process would compile them again): there pip does
+    # --no-compile: pip would byte-compile every module it installs, a large share of the install's time
+    # (docs/benchmarks.md#install-and-start-up); Python compiles the few thousand a run imports on first use
+    # and keeps them, except where PYTHONDONTWRITEBYTECODE forbids it (each process would compile them
+    # again): there pip does
     no_compile = [] if os.environ.get("PYTHONDONTWRITEBYTECODE") else ["--no-compile"]
     with tempfile.TemporaryDirectory(prefix="lab-install-") as tmp:
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("".join(f"{p}\n" for p in pins))
         install = ["install", "-q", *no_compile, "-c", str(constraints), "-e", target]
         if not offline:
-            # online: pip's own output shows, as before (it takes minutes)
+            # online: pip's own output shows (it takes minutes)
             subprocess.run([python, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
             subprocess.run([python, "-m", "pip", *install], check=True)
         else:

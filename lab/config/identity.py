@@ -37,10 +37,10 @@ def flatten(cfg: DictConfig) -> dict[str, str]:
 # Bumped only when a default's meaning changes (a run that left the key at its default computed something
 # else then): config_hash covers the values that differ from the schema's defaults, so a key added with a
 # default leaves every recorded hash unchanged. Runs carry it as the tag `config_hash_scheme`.
-# 1: a hash of every key (until 2026-11); 2: the changed values; 3: evaluation stops at the target's eos
+# 1: a hash of every key; 2: the changed values; 3: evaluation stops at the target's eos
 CONFIG_HASH_SCHEME = 3
 _NOT_SET = object()
-# keys taken out of the schema, with the default they had: a stored run that recorded them at it hashes as before
+# keys taken out of the schema, with the default they had: a stored run that recorded them at it keeps its hash
 # (`train.autocast_bf16`: the drafter's precision is one knob, the global `dtype`)
 RETIRED = {"train": {"autocast_bf16": False}}
 

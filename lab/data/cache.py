@@ -198,7 +198,7 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
         tmp.write_text(json.dumps(manifest, indent=1))
     # the finished folder becomes the entry in one rename: a process killed before it leaves every shard in
     # `{key}.partial/`, which the next build finds finished and publishes without a target forward (moving the
-    # shards one by one into a staging folder lost those moved when it was killed half-way)
+    # shards one by one into a staging folder would lose those moved if it were killed half-way)
     replace_dir(partial, path)
     return manifest
 
@@ -285,8 +285,8 @@ def _capture_heldout(
 
 def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> tuple[Sequences, Sequences]:
     """data=code's (train, held-out) sequences (lab/data/code_data.py `training_sequences`), chosen once and kept in
-    `{cache_dir}/sequences/{key}/`: choosing them renders and encodes every conversation of the corpus split
-    (13 s a run at tiny_code's 12 MB on 2 cores), the same for every run of a study. The key hashes the
+    `{cache_dir}/sequences/{key}/`: choosing them renders and encodes every conversation of the corpus split,
+    seconds of every run of a study for the same result. The key hashes the
     target's fingerprint, the data config and the corpus; an entry that no longer matches its manifest hash is
     chosen again."""
     spec = {

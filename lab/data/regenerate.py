@@ -1,37 +1,13 @@
 """Regeneration: every assistant turn of a conversation replaced by the target's own greedy answer.
 
-This is EAGLE-3's (and speculators') data recipe: a drafter is scored on predicting what its target says,
-so it learns best from the target's own outputs, not from whatever model wrote the dataset. Turn i's
-prompt is rendered with the target's earlier answers in place (`chat.prompt(messages[:i])`), so a later
-turn follows the conversation the target itself would have had.
-
-Work goes through a rolling pool of up to `chunk_size` turns under way at once (more where the generator
-serves more at once: transformers on a GPU, `Greedy.rows`): a conversation's next turn
-is asked for as soon as its last one is answered, and a finished conversation's place goes to the next
-conversation in order, of its chunk or the next. So the engine's batch stays full to the end. (It used to go
-in waves over the turn index, chunk by chunk: each chunk ended in small waves, 53 % of the time for 28 % of
-the tokens on the medium study's ShareGPT chunks.) Which conversations share a batch step depends only on the
-conversations and what is already cached, never on timing; in float32 the answers equal unbatched greedy
-decoding, in bfloat16 batching can tip a near-tie either way.
-
-Cutting, so that no token is generated that the training sequence (`seq_len` tokens) would drop anyway:
-- a turn whose prompt already reaches `seq_len` tokens is not generated; the conversation ends before it,
-  on the previous assistant turn. If that happens at the first assistant turn, the turn is kept with an
-  empty answer (content ""), so that the conversation keeps its id and place and stays well formed;
-- an answer gets at most `min(max_new_tokens, seq_len - prompt length)` tokens;
-- an empty answer (the target ends its turn at once) is kept as "" and ends the conversation: a next turn
-  would follow an assistant that said nothing, a conversation no one has.
-
-Cache: `{cache_dir}/regen/{key}/part_{chunk}.jsonl ... manifest.json`, one part per chunk of `chunk_size`
-conversations, published as each chunk finishes (with its sha256 in the manifest, checked on every load; the
-part and then the manifest each through a temp name, flushed and renamed, so a full disk or a kill leaves
-whole files only, and a part the manifest does not name yet is generated again), so an interrupted run resumes
-from the finished chunks (each part records the time since the part before it as its `seconds`). The key
-hashes the target, the chat template, the generation settings and the backend (vLLM's bf16 and transformers'
-fp32 greedy answers differ); each part is named by the hash of its chunk's conversations. A selection is a
-seeded order cut at a count, so a larger selection starts with the smaller one's chunks and regenerates only
-the new ones; a selection whose chunks are all there is a hit that never runs the target. A file lock keeps two
-processes from regenerating the same entry at once.
+EAGLE-3's (and speculators') data recipe: a drafter is scored on predicting what its target says, so it learns
+best from the target's own outputs. Turn i's prompt carries the target's earlier answers
+(`chat.prompt(messages[:i])`), so a later turn follows the conversation the target itself would have had.
+Turns go through a rolling pool (a conversation's next turn is asked for as soon as its last one is answered,
+a finished conversation's place goes to the next), so the engine's batch stays full to the end; which
+conversations share a step depends only on the conversations and the cache, never on timing. The cache holds
+one part per chunk of conversations, published as the chunk finishes, so an interrupted run resumes and a
+larger selection regenerates only its new chunks.
 """
 
 from __future__ import annotations
@@ -121,12 +97,31 @@ def regenerate(
     splits: tuple[int, ...] = (),
     kv_cache: str = "auto",
 ) -> RegenResult:
-    """`conversations` (same ids, same order) with every assistant turn the target's greedy answer, cut as the
-    module docstring says; from the cache when the entry is complete. No chunk straddles an index in `splits`
-    (where one selection ends and the next begins), so each selection's chunks are the same whatever follows
-    it. `dtype` is vLLM's (the hf backend runs the loaded model as it is, and the key records that model's
-    dtype instead); `kv_cache` is the hf backend's, which the key leaves out (both caches give the same
-    tokens)."""
+    """`conversations` (same ids, same order) with every assistant turn the target's greedy answer; from the
+    cache when the entry is complete. Up to `chunk_size` turns are under way at once, more where the generator
+    serves more (`Greedy.rows`). In float32 the answers equal unbatched greedy decoding; in bfloat16 batching
+    can tip a near-tie either way.
+
+    No token is generated that the training sequence (`seq_len` tokens) would drop anyway:
+    - a turn whose prompt already reaches `seq_len` tokens is not generated; the conversation ends before it,
+      on the previous assistant turn. At the first assistant turn, the turn is kept with an empty answer
+      (content ""), so that the conversation keeps its id and place and stays well formed;
+    - an answer gets at most `min(max_new_tokens, seq_len - prompt length)` tokens;
+    - an empty answer (the target ends its turn at once) is kept as "" and ends the conversation: a next turn
+      would follow an assistant that said nothing, a conversation no one has.
+
+    The cache: `{cache_dir}/regen/{key}/part_{chunk}.jsonl ... manifest.json`, one part per chunk of
+    `chunk_size` conversations, named by the hash of its chunk's conversations and recorded with its sha256 in
+    the manifest (checked on every load) and the seconds since the part before it. The part and then the
+    manifest each go through a temp name, flushed and renamed, so a full disk or a kill leaves whole files
+    only, and a part the manifest does not name yet is generated again. The key hashes the target, the chat
+    template, the generation settings and the backend (vLLM's bf16 and transformers' fp32 greedy answers
+    differ). A selection is a seeded order cut at a count, so a larger selection starts with the smaller one's
+    chunks; one whose chunks are all there is a hit that never runs the target. A file lock keeps two
+    processes from regenerating the same entry at once. No chunk straddles an index in `splits` (where one
+    selection ends and the next begins), so each selection's chunks are the same whatever follows it. `dtype`
+    is vLLM's (the hf backend runs the loaded model as it is, and the key records that model's dtype
+    instead); `kv_cache` is the hf backend's, which the key leaves out (both caches give the same tokens)."""
     conversations = list(conversations)
     backend = resolve_backend(backend)
     gen_dtype = resolve_dtype(dtype) if backend == "vllm" else str(target.model.dtype).removeprefix("torch.")

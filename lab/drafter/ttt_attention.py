@@ -9,8 +9,8 @@ softmax's gradient.
 Which kernel computes it is chosen in one place, `kernel_for`, from the tensors' device:
 - CPU: ATen's fused flash attention for CPU (`_scaled_dot_product_flash_attention_for_cpu`);
 - CUDA: `SDPA_JOINT`, the whole attention as one public `F.scaled_dot_product_attention` call under autograd's
-  own backward (`joint_sdpa`). The private memory-efficient op with the hand-joined log-sum-exp (the kernel
-  once called `cuda-efficient`) gave non-finite bfloat16 gradients in training on an H200 and was removed;
+  own backward (`joint_sdpa`): the private memory-efficient op, handed a hand-joined log-sum-exp, gives
+  non-finite bfloat16 gradients in training on an H200;
 - anything else: `PORTABLE`, the same contract in plain tensor math (a [B, heads, n, T] score matrix).
 All compute the same function, forward and gradients, so that what a run learns does not depend on the device
 it ran on beyond float rounding.
@@ -88,7 +88,7 @@ class _SdpaJoint:
     """Not a `Kernel`: the whole TTT attention as one public `F.scaled_dot_product_attention` call, with
     autograd's own backward. Each row's diagonal keys are appended after step 0's keys and a boolean mask lets
     a row see its causal prefix and its own diagonal, so no log-sum-exp crosses a kernel boundary. On CUDA,
-    where the private memory-efficient op's bfloat16 backward, handed the joint output, gave non-finite
+    where the private memory-efficient op's bfloat16 backward, handed the joint output, gives non-finite
     gradients in training (the gpu tier, H200), while SDPA's own autograd hands that kernel its own output."""
 
     name = "sdpa-joint"

@@ -10,7 +10,7 @@
 AL, norm growth and rollout accuracy of every arm but the baseline carry the ratio of the arm's mean to the
 baseline's with a 95 % paired bootstrap interval over prompts and seeds (lab/report/paired.py), from the
 runs' per-prompt records; a cell is bold only when its interval excludes 1. Runs without those records
-(logged before them) give mean +- std and the change against the baseline only, and the table says so.
+give mean +- std and the change against the baseline only, and the table says so.
 The CSV also flags each column's best mean (`best`). Formatting is fixed and the bootstrap seeded, so the
 same MLflow content gives byte-identical files.
 """

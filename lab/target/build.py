@@ -42,7 +42,7 @@ _ARCH_KEYS = (
     "chunk_chars",
 )
 # the keys of a DeepSeek-V3 target, in its cache key only where target.arch is not llama: a llama target's
-# key (and every target cached before `arch` existed) stays what it was
+# key is the one it has without them, so a cached llama target is found whatever its config says of MLA
 _DEEPSEEK_KEYS = (
     "arch",
     "q_lora_rank",

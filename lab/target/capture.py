@@ -96,7 +96,7 @@ def target_logits(final: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Te
 def chunked_argmax(h: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor], rows: int = 512) -> torch.Tensor:
     """argmax over the vocabulary of logits(h) for states h [..., H] -> [...], a chunk of rows at a time: the
     logits of a whole batch of held-out conversations never exist at once (64 x 512 positions over SmolLM2's
-    49,152 tokens are 6.4 GB in float32; two workers' at once exhausted a 24 GB machine)."""
+    49,152 tokens are 6.4 GB in float32, twice that for two workers at once)."""
     flat = h.reshape(-1, h.shape[-1])
     top = torch.cat([logits(flat[a : a + rows]).argmax(-1) for a in range(0, flat.shape[0], rows)])
     return top.view(h.shape[:-1])

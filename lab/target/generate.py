@@ -1,29 +1,12 @@
 """Greedy generation with the target, batched: the answers that regeneration (lab/data/regenerate.py) puts in
 place of a dataset's own, so that a drafter learns what its target actually says.
 
-Two backends behind one object, `Greedy`, with two ways in:
-- `greedy(prompts, max_new_tokens) -> continuations`: one batch, answered whole;
-- `greedy.stream({request id: (prompt, max_new_tokens)}) -> {request id: continuation}`: starts the given
-  requests beside those still running and returns as soon as any finish, so a caller keeps the engine's batch
-  full by refilling it (regeneration's rolling pool of conversations).
-
-- `hf`: the already-loaded transformers model. Prompts are sorted by length and left-padded into batches of
-  `HF_BATCH` (on a GPU, as many as its memory holds), then decoded by a hand-written KV-cache greedy loop
-  (`greedy_batch`) over one of two caches (`kv_cache`): `dynamic`, transformers' `DynamicCache`, dropping
-  finished rows from the batch and the cache (on a CPU the cost of a step grows with the rows in it, and
-  answers end at very different lengths); or `static`, a `StaticCache` padded to fixed buckets with the step
-  captured in CUDA graphs on a GPU (lab/target/static_decode.py), where a step costs about the same whatever
-  its rows. `auto` is static on CUDA. Both give the same tokens (tested on the CPU). It is deterministic
-  (argmax, fixed shapes for the same inputs). Its `stream` answers every request it holds before it returns:
-  a batch cannot take new rows halfway.
-- `vllm`: ONE worker process (`python -m lab.target.vllm_generate`) for the life of the context, so the
-  engine starts once (tens of seconds) however many batches follow. This module never imports vllm: only
-  worker modules, each in its own process, do (the project's rule; vLLM's CPU engine binds threads and
-  keeps global state for the life of a process). Its `stream` steps vLLM's engine until a request finishes,
-  so which requests share a step depends only on what the caller sent, never on timing.
-
-Every continuation stops at, and excludes, the tokenizer's eos id, or after `max_new_tokens` (fewer where the
-prompt would otherwise run past the model's context). Outputs are in the order of the prompts.
+One object, `Greedy`, over two backends (`open_generator` says how each runs): `hf`, the loaded transformers
+model in a hand-written KV-cache loop, and `vllm`, one worker process for the life of the context, so that the
+engine starts once. `Greedy(prompts, limits)` answers a batch whole; `Greedy.stream(requests)` returns as soon as
+any request finishes, so that a caller keeps the engine's batch full by refilling it (regeneration's rolling
+pool), and which requests share a step never depends on timing. Every continuation stops at, and excludes, the
+eos, or after its limit (fewer where the prompt would run past the context); outputs keep the prompts' order.
 """
 
 from __future__ import annotations
@@ -128,8 +111,8 @@ def resolve_kv_cache(name: str, device: torch.device) -> str:
 
 def resolve_dtype(dtype: str) -> str:
     """vLLM's dtype: `auto` is bfloat16 on a GPU or a CPU with bf16 instructions (AVX512-BF16, AMX), else
-    float32. Measured on a 2-core AVX2 machine (benchmarks/regenerate_speed.py, SmolLM2-135M): vLLM ran about
-    five times faster in float32 than in bfloat16, which such a CPU only emulates."""
+    float32: a CPU without them only emulates bfloat16, and vLLM runs several times slower in it
+    (docs/benchmarks.md#regeneration-backends)."""
     if dtype != "auto":
         return dtype
     if torch.cuda.is_available():
@@ -156,7 +139,20 @@ def open_generator(
     `kv_cache_gib` are vLLM's (hf uses the loaded model as it is, on its device and in its dtype;
     `dtype="auto"`: see resolve_dtype), `kv_cache` is hf's (`resolve_kv_cache`); `progress` shows a bar over each
     call's prompts (hf only: vLLM's would go to its log). The vLLM worker's output goes to `log_path` (default: a
-    temp file, removed after a clean run), which a RuntimeError from a failed worker names."""
+    temp file, removed after a clean run), which a RuntimeError from a failed worker names.
+
+    - `hf`: prompts are sorted by length and left-padded into batches of `HF_BATCH` (on a GPU, as many as its
+      memory holds), then decoded by `greedy_batch` over one of two caches: `dynamic`, transformers'
+      `DynamicCache`, dropping finished rows from the batch and the cache (on a CPU the cost of a step grows with
+      its rows, and answers end at very different lengths); or `static`, a `StaticCache` padded to fixed buckets
+      with the step captured in CUDA graphs on a GPU (lab/target/static_decode.py), where a step costs about the
+      same whatever its rows. Both give the same tokens, deterministically (argmax, fixed shapes for the same
+      inputs). Its `stream` answers every request it holds before it returns: a batch cannot take new rows
+      halfway.
+    - `vllm`: ONE worker process (`python -m lab.target.vllm_generate`) for the life of the context, however
+      many batches follow. This module never imports vllm: only worker modules, each in its own process, do
+      (vLLM's CPU engine binds threads and keeps global state for the life of a process). Its `stream` steps
+      vLLM's engine until a request finishes."""
     backend = resolve_backend(backend)
     eos = target.tokenizer.eos_token_id
     if eos is None:
@@ -373,7 +369,7 @@ class _VllmWorker:
 
     def __enter__(self) -> _VllmWorker:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # a named log is appended to: a resumed build keeps the earlier sessions' lines (its timings)
+        # a named log is appended to: a resumed build keeps the earlier runs' lines (their timings)
         self.log = open(self.log_path, "a")
         self.log_start = self.log.tell()
         cmd = [sys.executable, "-m", "lab.target.vllm_generate", json.dumps(self.job)]
@@ -457,7 +453,7 @@ class _VllmWorker:
 def _worker_env(job: dict) -> dict[str, str]:
     """The environment the worker starts in. OpenMP reads its thread count once, when the library loads,
     and the worker imports torch (through `lab`) before it could set anything itself: one thread too many
-    on a busy machine makes every step spin-wait, ten times slower or worse."""
+    on a busy machine makes every step spin-wait, many times slower."""
     from lab.target.vllm_generate import engine_environment
 
     # the worker must import this checkout's `lab`, wherever the caller runs from

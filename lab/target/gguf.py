@@ -85,10 +85,10 @@ def _convert(source: Path, digest: str, final: Path, progress: bool) -> None:
 
 @contextlib.contextmanager
 def _parsed_once() -> Iterator[None]:
-    """transformers parses the GGUF afresh for the tokenizer, the config and the weights (SmolLM2's 49,152-token
-    vocabulary: about 8 s each on 2 cores), and builds gguf's tensor-name table once per module it maps (397
-    times, 12 s): for the conversion, one parse per file and one table per architecture and depth (SmolLM2's
-    whole conversion: 48 s before, 25 s after, the same bytes). Both are read-only; the originals come back after."""
+    """transformers parses the GGUF afresh for the tokenizer, the config and the weights (slow for a large
+    vocabulary), and builds gguf's tensor-name table once per module it maps: for the conversion, one parse per
+    file and one table per architecture and depth, which halves SmolLM2's conversion for the same bytes
+    (docs/benchmarks.md#gguf-conversion). Both are read-only; the originals come back after."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map

@@ -127,7 +127,7 @@ def load(cfg: DictConfig, progress: bool = True) -> Target:
     model.to(device).eval().requires_grad_(False)
     if dtype != torch.float32:
         # narrower weights compute other hidden states and answers: every cache keyed by the target (hidden
-        # states, regenerations, resume states) keeps them apart; float32 adds nothing, so that the keys
-        # of every entry cached before `dtype` existed still hold
+        # states, regenerations, resume states) keeps them apart; float32 adds nothing, so that a float32
+        # target's keys are those of a config that never names a dtype
         fingerprint = f"{fingerprint}-{str(dtype).removeprefix('torch.')}"
     return Target(model=model, tokenizer=tokenizer, path=path, fingerprint=fingerprint, info=info)

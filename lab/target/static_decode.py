@@ -1,24 +1,14 @@
 """Greedy batches over a static KV cache: the target's one-token step at a GPU's speed.
 
-On a GPU, one step of a small target (SmolLM2-135M) is about a thousand small kernels that the host launches
-one by one: over the dynamic cache `greedy_batch` took about 75 ms a step whatever the batch, and a profile on
-an H200 found the GPU busy 7 % of the time (issue 56). Here the cache is transformers' `StaticCache`, and on
-CUDA the step is compiled with `torch.compile(mode="reduce-overhead")`, which captures it in a CUDA graph: one
-launch replays the whole step.
-
-A graph holds fixed shapes and addresses, so every batch is padded to a bucket: its rows to the next of
-`ROW_BUCKETS` (the extra rows decode a one-token dummy prompt, and are dropped) and its cache to the next power
-of two from `MIN_LENGTH` tokens. A bucket's cache and inputs are allocated once and kept for the model's life
-(reset between batches), so a bucket records its CUDA graph once. The step compiles once for every bucket
-(`dynamic=True`: rows and length are symbols; dynamo specializes a size of 1, so one row is a second compile):
-compiled per bucket, each took 34 s for SmolLM2 on an H200 and regeneration at `profile=gpu` met six
-(docs/results/gpu/2026-11-28-h200.md; benchmarks/static_compile.py compares the two on any device). Dynamo's
-recompile limit is raised all the same, so that no bucket falls back to eager halfway through a run.
-
-Rows never leave the batch (the graph's shape is fixed): they all step until every row has finished or the
-longest limit is reached, which on a GPU costs little (a step costs about the same for 16 rows or 256). On a
-CPU the same path runs eagerly, uncompiled, and gives the dynamic path's tokens (tests/test_regenerate.py); there
-the dynamic path is faster, as it drops finished rows.
+A small target's step is about a thousand small kernels that the host launches one by one, so the GPU mostly
+waits. Here the cache is transformers' `StaticCache` and, on CUDA, the step is compiled with
+`torch.compile(mode="reduce-overhead")` into a CUDA graph: one launch replays the whole step. A graph holds fixed
+shapes and addresses, so every batch is padded to a bucket (its rows to the next of `ROW_BUCKETS`, its cache to
+the next power of two from `MIN_LENGTH`) whose cache and inputs are kept for the model's life. The step compiles
+once for every bucket (`dynamic=True`), as a compile costs far more than a bucket's graph and a run meets several
+buckets (docs/benchmarks.md#static-kv-cache). Rows never leave the batch: on a GPU a step costs about the same
+for few rows or many. On a CPU the same path runs eagerly and gives the dynamic path's tokens; there the dynamic
+path is faster, as it drops finished rows.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ import torch
 ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a batch's rows, padded up; 512 is lab.target.generate.HF_BATCH_MAX
 MIN_LENGTH = 256  # the shortest cache; longer ones double
 CHECK_EVERY = 16  # steps between two looks at whether every row has finished (each look waits for the GPU)
-RECOMPILE_LIMIT = 64  # at least every (rows, length) bucket a run can meet
+RECOMPILE_LIMIT = 64  # every (rows, length) bucket a run can meet (one row compiles apart: dynamo specializes 1)
 
 
 def row_bucket(rows: int) -> int:
