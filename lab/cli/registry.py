@@ -46,6 +46,12 @@ COMMANDS: dict[str, Command] = {
         "PAPER",
         "the paper's claims beside the studies of a profile, from MLflow alone, into one Markdown page",
     ),
+    "studies": Command(
+        "lab.cli.listing",
+        "STUDIES",
+        "the store's studies: kind, arms, seeds, runs by state, the headline AL once finished",
+    ),
+    "runs": Command("lab.cli.listing", "RUNS", "the runs of one study: arm, seed, state, AL, time, run id"),
     "doctor": Command("lab.cli.doctor", "DOCTOR", "what is installed, where the store and caches are"),
     "ui": Command(
         "lab.cli.serve", "UI", "the MLflow UI over the configured store, opened on a study (127.0.0.1 unless --host)"

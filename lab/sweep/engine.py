@@ -172,6 +172,8 @@ def launch(
         "optuna_study": name,
         "optuna_storage": redact(s.storage_url),
         "git_commit": track.git_commit(),
+        "study_kind": sweep.kind,
+        **({"baseline": sweep.baseline} if sweep.baseline else {}),
     }
     started = time.time()
     with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:

@@ -57,6 +57,8 @@ class Experiment:
             sampler={"name": "grid"},
             seeds=self.seeds,
             source=f"experiments/{self.name}.yaml",
+            kind="ablate",
+            baseline=self.baseline,
         )
 
 

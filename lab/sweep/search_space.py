@@ -119,6 +119,8 @@ class Sweep:
     heartbeat_s: float = SweepSpec.heartbeat_s
     grace_s: float = SweepSpec.grace_s  # a running trial without a heartbeat for this long is stale
     source: str = ""  # the file it came from, named in errors
+    kind: str = "sweep"  # what `lab studies` calls it: sweep, ablate (an experiment's grid) or multirun
+    baseline: str = ""  # the arm that an ablation's ratios divide by
 
     def __post_init__(self) -> None:
         self.source = self.source or f"sweeps/{self.name}.yaml"

@@ -24,6 +24,7 @@ from __future__ import annotations
 from lab.track.notes import NOTE, describe_experiment, describe_run, save_view, study_page, study_runs_filter
 from lab.track.queries import (
     TrainedRun,
+    all_study_parents,
     child_runs,
     get_run,
     logged_config,
@@ -59,6 +60,7 @@ __all__ = [
     "Run",
     "RunStopped",
     "TrainedRun",
+    "all_study_parents",
     "check_reachable",
     "check_writable",
     "child_runs",

@@ -17,7 +17,7 @@ from urllib.parse import quote
 from mlflow.tracking import MlflowClient
 
 from lab.config import ConfigError
-from lab.track.queries import _equals
+from lab.track.queries import _equals, every_experiment, every_run
 from lab.track.runs import ensure_experiment
 from lab.track.store import configure, local_paths
 from lab.track.writers import _writing
@@ -52,8 +52,8 @@ def save_view(uri: str, experiment_id: str, key: str, name: str, state: dict[str
 
 def _studies(client: MlflowClient) -> list[Any]:
     """The parent runs of every study in the store, newest first."""
-    ids = [e.experiment_id for e in client.search_experiments()]
-    return client.search_runs(ids, filter_string=PARENT, order_by=["attributes.start_time DESC"]) if ids else []
+    ids = [e.experiment_id for e in every_experiment(client)]
+    return every_run(client, ids, PARENT, ["attributes.start_time DESC"])
 
 
 def study_page(uri: str, experiment: str | None) -> str:

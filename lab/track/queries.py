@@ -29,6 +29,39 @@ def _equals(field: str, value: str) -> str:
     raise ValueError(f"{field}: {value!r} has both kinds of quotes, which an MLflow filter cannot hold")
 
 
+PAGE = 1000  # MLflow's own page of search results: every search here reads on past it, page by page
+
+
+def every_run(
+    client: MlflowClient, experiment_ids: list[str], filter_string: str = "", order_by: list[str] | None = None
+) -> list[Any]:
+    """Every active run of `experiment_ids` that `filter_string` matches, in `order_by`'s order, read page by page:
+    one `search_runs` call returns at most one page, and a study may have more runs than that."""
+    out: list[Any] = []
+    token = None
+    while experiment_ids:
+        page = client.search_runs(
+            experiment_ids, filter_string=filter_string, order_by=order_by, max_results=PAGE, page_token=token
+        )
+        out += list(page)
+        token = page.token
+        if not token:
+            break
+    return out
+
+
+def every_experiment(client: MlflowClient) -> list[Any]:
+    """Every active experiment of the store, page by page."""
+    out: list[Any] = []
+    token = None
+    while True:
+        page = client.search_experiments(max_results=PAGE, page_token=token)
+        out += list(page)
+        token = page.token
+        if not token:
+            return out
+
+
 def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[Any]:
     """Runs nested under `parent_run_id` (optionally only those with `status`, e.g. FINISHED)."""
     configure(uri)
@@ -37,7 +70,7 @@ def child_runs(uri: str, parent_run_id: str, status: str | None = None) -> list[
     query = _equals("tags.`mlflow.parentRunId`", parent_run_id)
     if status:
         query += f" and {_equals('attributes.status', status)}"
-    return client.search_runs([parent.info.experiment_id], filter_string=query, max_results=5000)
+    return every_run(client, [parent.info.experiment_id], query)
 
 
 def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
@@ -52,7 +85,18 @@ def study_parents(uri: str, experiment: str, sweep: str) -> list[Any]:
     if exp is None:
         return []
     query = f"tags.`lab.role` = 'parent' and {_equals('tags.sweep', sweep)}"
-    return client.search_runs([exp.experiment_id], filter_string=query, order_by=["attributes.start_time DESC"])
+    return every_run(client, [exp.experiment_id], query, ["attributes.start_time DESC"])
+
+
+def all_study_parents(uri: str) -> list[Any]:
+    """The parent runs of every study in the store, newest first; none where no store was recorded."""
+    db = local_paths(uri)
+    if db is not None and not db.is_file():
+        return []  # reading must not create an empty store
+    configure(uri)
+    client = MlflowClient()
+    ids = [e.experiment_id for e in every_experiment(client)]
+    return every_run(client, ids, "tags.`lab.role` = 'parent'", ["attributes.start_time DESC"])
 
 
 def _existing_store(uri: str) -> None:
@@ -109,10 +153,11 @@ def trained_run(uri: str, train_key: str, dst: str | Path, is_curve: Callable[[s
         return None  # nothing recorded yet; reading must not create an empty store
     configure(uri)
     client = MlflowClient()
-    runs = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        filter_string=f"{_equals('tags.train_key', train_key)} and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time ASC"],
+    runs = every_run(
+        client,
+        [e.experiment_id for e in every_experiment(client)],
+        f"{_equals('tags.train_key', train_key)} and attributes.status = 'FINISHED'",
+        ["attributes.start_time ASC"],
     )
     for run in runs:
         run_id = run.info.run_id
@@ -159,7 +204,7 @@ def search_runs(uri: str, experiment: str, filter_string: str = "") -> list[Any]
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    return client.search_runs([exp.experiment_id], filter_string=filter_string)
+    return every_run(client, [exp.experiment_id], filter_string)
 
 
 def logged_config(uri: str, run_id: str) -> dict | None:

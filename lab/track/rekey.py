@@ -10,7 +10,7 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from lab.config.identity import CONFIG_HASH_SCHEME, config_hash
-from lab.track.queries import logged_config
+from lab.track.queries import every_experiment, every_run, logged_config
 from lab.track.runs import set_run_tags
 from lab.track.store import configure, local_paths
 from lab.track.writers import _writing
@@ -24,10 +24,10 @@ def runs_keyed_before(uri: str, scheme: int = CONFIG_HASH_SCHEME) -> list[Any]:
         return []  # nothing recorded yet; reading must not create an empty store
     configure(uri)
     client = MlflowClient()
-    runs = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        filter_string="attributes.status = 'FINISHED' and tags.config_hash != ''",
-        max_results=50000,
+    runs = every_run(
+        client,
+        [e.experiment_id for e in every_experiment(client)],
+        "attributes.status = 'FINISHED' and tags.config_hash != ''",
     )
     return [r for r in runs if int(r.data.tags.get("config_hash_scheme", "1")) < scheme]
 

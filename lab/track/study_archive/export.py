@@ -13,18 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import DatasetInput, ViewType
+from mlflow.entities import DatasetInput
 from mlflow.tracking import MlflowClient
 
 from lab.config import redact
 from lab.fsutil import atomic_file, sha256_file, temp_dir
-from lab.track.queries import _equals, _no_progress_bar
+from lab.track.queries import _equals, _no_progress_bar, every_run
 from lab.track.runs import git_commit
 from lab.track.store import configure
 from lab.track.study_archive.reading import FORMAT, MANIFEST, PARENT_TAG, SCHEMA, _safe_name
 
 CHECKPOINT_ARTIFACTS = ("checkpoint",)  # top-level artifact folders left out unless with_checkpoints
-_PAGE = 1000  # runs per search page
 
 
 @dataclass
@@ -52,7 +51,7 @@ def export_study(
     configure(uri)
     client = MlflowClient()
     parent = client.get_run(parent_run_id)
-    children = _search(client, [parent.info.experiment_id], _equals(f"tags.`{PARENT_TAG}`", parent_run_id))
+    children = every_run(client, [parent.info.experiment_id], _equals(f"tags.`{PARENT_TAG}`", parent_run_id))
     children.sort(key=lambda r: (r.info.start_time or 0, r.info.run_id))
     runs = [parent, *children]
     # staged beside the archive (on its disk, not /tmp): a killed export's copy of the runs is a leftover of
@@ -94,20 +93,6 @@ def _plain(info: tarfile.TarInfo) -> tarfile.TarInfo:
     info.uname = info.gname = ""
     info.mode = 0o644
     return info
-
-
-def _search(client: MlflowClient, experiment_ids: list[str], query: str) -> list[Any]:
-    """Every active run that matches, page by page (a search returns at most one page)."""
-    out: list[Any] = []
-    token = None
-    while True:
-        page = client.search_runs(
-            experiment_ids, filter_string=query, run_view_type=ViewType.ACTIVE_ONLY, max_results=_PAGE, page_token=token
-        )
-        out += list(page)
-        token = page.token
-        if not token:
-            return out
 
 
 def _stage_run(client: MlflowClient, run: Any, staging: Path, parent_run_id: str, with_checkpoints: bool) -> int:
