@@ -453,3 +453,109 @@ def test_the_micro_profile_is_the_micro_target_data_and_quick_budgets():
     """`profile=micro` is one word for the four groups tests and smoke runs used to spell out."""
     four = compose(["target=micro", "data=micro", "train=quick", "eval=quick", "drafter=eagle31"])
     assert OmegaConf.to_container(compose(["profile=micro", "drafter=eagle31"])) == OmegaConf.to_container(four)
+
+
+# ---- every key the schema lacks is refused, however it is added; values read as the docs promise ----
+
+
+def _schema_nodes() -> list[str]:
+    """Every mapping of the schema: the root, each group (`train`, `eval.vllm`, ...) and one suite."""
+    from lab.config.composition import _schema_keys
+
+    nodes = {""}
+    for key in _schema_keys(Config):
+        parts = key.replace(".NAME.", ".in_dist.").split(".")[:-1]
+        nodes |= {".".join(parts[: i + 1]) for i in range(len(parts))}
+    return sorted(nodes)
+
+
+def _schema_leaves(of_type: type) -> list[str]:
+    from lab.config.composition import _schema_keys, schema_type
+    from lab.config.rules import strip_optional
+
+    keys = [k.replace(".NAME.", ".in_dist.") for k in _schema_keys(Config)]
+    return [k for k in keys if strip_optional(schema_type(k)) is of_type]
+
+
+from lab.config import Config  # noqa: E402  (beside the helpers that read it)
+
+
+@pytest.mark.parametrize("node", _schema_nodes(), ids=lambda n: n or "<root>")
+@pytest.mark.parametrize("how", ["", "+", "++"])
+def test_a_key_the_schema_lacks_is_refused_however_it_is_added(node, how):
+    key = f"{node}.no_such_key" if node else "no_such_key"
+    with pytest.raises(ConfigError) as info:
+        compose([f"{how}{key}=1"])
+    message = str(info.value)
+    unknown = "unknown suite" if node == "suites" else "unknown config key"  # suites.NAME: a suite the config lacks
+    assert message.startswith(f"{key}: {unknown}") and "\n" not in message, message
+    assert "+key=value" not in message  # the way around the check is not recommended
+
+
+@pytest.mark.parametrize(
+    ("override", "nearest"),
+    [
+        ("+train.ttt_lenght=5", "nearest: train.ttt_length"),
+        ("drafter.fc_nrom=per_layer", "nearest: drafter.fc_norm"),
+        ("+ttt_length=5", "nearest: train.ttt_length"),  # at the wrong level
+        ("++eval.num_speculative_token=[3]", "nearest: eval.num_speculative_tokens"),
+        ("+suites.template.templtes=[chatml]", "nearest: suites.template.templates"),
+    ],
+)
+def test_an_unknown_key_names_the_nearest_allowed_keys(override, nearest):
+    with pytest.raises(ConfigError) as info:
+        compose([override])
+    assert nearest in str(info.value), str(info.value)
+
+
+YAML11_BOOLS = [
+    "y",
+    "Y",
+    "yes",
+    "Yes",
+    "YES",
+    "n",
+    "N",
+    "no",
+    "No",
+    "NO",
+    "on",
+    "On",
+    "ON",
+    "off",
+    "Off",
+    "OFF",
+    "1",
+    "0",
+]
+
+
+@pytest.mark.parametrize("key", _schema_leaves(bool))
+def test_a_true_false_key_takes_only_true_or_false(key):
+    for word in YAML11_BOOLS:
+        with pytest.raises(ConfigError, match=rf"^{key}: expected true or false, got '{word}'$"):
+            compose([f"{key}={word}"])
+
+
+def test_true_and_false_are_taken_in_any_case():
+    assert compose(["drafter.norm_output=True", "eval.probes=FALSE"]).drafter.norm_output is True
+
+
+@pytest.mark.parametrize("key", _schema_leaves(int))
+def test_an_integer_key_refuses_a_leading_zero(key):
+    """YAML 1.1 reads 010 as octal 8; Hydra reads it as 10."""
+    with pytest.raises(ConfigError, match=rf"^{key}: expected an integer without leading zeros, got '010'$"):
+        compose([f"{key}=010"])
+
+
+@pytest.mark.parametrize("key", _schema_leaves(str))
+@pytest.mark.parametrize(("value", "read"), [("1e3", "1000.0"), ("1_000", "1000"), ("true", "True"), ("1.50", "1.5")])
+def test_a_string_key_refuses_a_value_hydra_would_rewrite(key, value, read):
+    with pytest.raises(ConfigError) as info:
+        compose([f"{key}={value}"])
+    assert str(info.value) == f"{key}: Hydra reads '{value}' as '{read}'; expected it quoted: {key}='{value}'"
+
+
+def test_a_quoted_or_plain_string_is_taken_as_typed():
+    cfg = compose(["study='1e3'", "arm=yes"])
+    assert (cfg.study, cfg.arm) == ("1e3", "yes")

@@ -45,13 +45,16 @@ def compose(overrides: list[str] | None = None, config_name: str = "config") -> 
 
     register_schemas()
     overrides = list(overrides or [])
-    _check_bool_overrides(overrides)
+    _check_values(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = hydra_compose(config_name=config_name, overrides=overrides)
     except Exception as exc:  # Hydra/OmegaConf errors are multi-line; reduce to one line
         raise _one_line_error(exc, overrides) from None
+    unknown = unknown_key(cfg)
+    if unknown is not None:  # `+key=` and `++key=` add a key whatever the schema says
+        raise unknown_key_error(unknown)
     if cfg.eval.suites is None:
         cfg.eval.suites = [s for s in SUITES_FOR_DATA[cfg.data.source.value] if s in cfg.suites]
     validate(cfg)
@@ -66,10 +69,16 @@ def _one_line_error(exc: Exception, overrides: list[str]) -> ConfigError:
     key = getattr(cause, "full_key", None) or _override_key(str(exc), overrides)
     first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
-        parent = key.rsplit(".", 1)[0] if "." in key else ""
         # the override's own key where it goes below the unknown one (`a.b=1` says `a.b`)
         key = next((k for k in _override_keys(overrides) if k.startswith(f"{key}.")), key)
-        return ConfigError(key, f"unknown config key; allowed under '{parent or '<root>'}': {_known_keys(parent)}")
+        return unknown_key_error(key)
+    if isinstance(cause, ValidationError) and "not a subclass of SuiteConfig" in first:
+        given = next((k for k in _override_keys(overrides) if k.startswith("suites.")), "suites")
+        suite = ".".join(given.split(".")[:2])
+        return ConfigError(
+            suite,
+            f"unknown suite; configured: {', '.join(_group_options('suite'))} (a new suite is configs/suite/NAME.yaml)",
+        )
     if isinstance(cause, ValidationError) and "expected one of" in first:
         return ConfigError(key, first)
     if isinstance(cause, OmegaConfBaseException) and schema_type(key) is not None:
@@ -88,21 +97,44 @@ def _one_line_error(exc: Exception, overrides: list[str]) -> ConfigError:
     return ConfigError(key, f"{first}; {_OVERRIDE_EXPECTED}")
 
 
-_BOOL_WORDS = ("true", "false", "yes", "no", "on", "off")
-
-
-def _check_bool_overrides(overrides: list[str]) -> None:
-    """A true/false key given anything else: OmegaConf would take any integer for true (`eval.probes=2`)."""
+def _check_values(overrides: list[str]) -> None:
+    """A value whose spelling another reader would take for another type, refused before Hydra reads it:
+    a true/false key takes only true or false (OmegaConf takes any integer for true, YAML 1.1 takes yes, no, on
+    and off), an integer no leading zero (YAML 1.1 reads 010 as 8, Hydra as 10), and a string key an unquoted
+    value that Hydra would turn into a number or a bool first (`study=1e3` would be "1000.0")."""
     for o in overrides:
-        key, _, value = o.lstrip("+").partition("=")
-        if _ and schema_type(key) is bool and value.strip().strip("'\"").lower() not in _BOOL_WORDS:
+        key, eq, value = o.lstrip("+").partition("=")
+        text = value.strip()
+        tp = strip_optional(schema_type(key)) if eq else None
+        if tp is None or text[:1] in ("'", '"') or text == "null" or _is_sweep(text):
+            continue  # null: OmegaConf says whether the key takes it
+        if tp is bool and text.lower() not in ("true", "false"):
             raise ConfigError(key, expected_got("true or false", value))
+        if tp is int and re.fullmatch(r"[+-]?0[0-9_]+", text):
+            raise ConfigError(key, expected_got("an integer without leading zeros", value))
+        if tp is str and _hydra_value(text) != text:
+            raise ConfigError(
+                key, f"Hydra reads {value!r} as {_hydra_value(text)!r}; expected it quoted: {key}='{text}'"
+            )
 
 
-_OVERRIDE_EXPECTED = (
-    "expected key=value (e.g. train.steps=200), group=option (drafter=eagle31), +key=value for a key the config "
-    "lacks or ~key to drop one"
-)
+def _is_sweep(text: str) -> bool:
+    """A multirun's value list or function (`a,b`, `range(1,3)`, `choice(...)`), which the multirun expands."""
+    return "," in text and not text.startswith("[") or re.match(r"(range|choice|interval|glob)\(", text) is not None
+
+
+def _hydra_value(text: str) -> str:
+    """The string that Hydra's override parser and OmegaConf make of an unquoted value given to a string key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        value = OverridesParser.create().parse_override(f"k={text}").value()
+    except Exception:  # not an override Hydra parses: its own error says so later
+        return text
+    return text if isinstance(value, str) else str(value)
+
+
+_OVERRIDE_EXPECTED = "expected key=value (e.g. train.steps=200) or group=option (drafter=eagle31)"
 
 
 def _override_keys(overrides: list[str]) -> list[str]:
@@ -142,13 +174,71 @@ def schema_type(key: str) -> Any:
     return tp
 
 
-def _known_keys(node: str) -> str:
+def unknown_key(cfg: Any, schema: Any = Config, prefix: str = "") -> str | None:
+    """The first key of the composed `cfg` that the schema lacks (a suite's keys are SuiteConfig's), or None."""
+    hints = typing.get_type_hints(schema)
+    for name in cfg:
+        key = f"{prefix}{name}"
+        if name not in hints:
+            return key
+        tp = strip_optional(hints[name])
+        node = cfg[name]
+        if dataclasses.is_dataclass(tp) and node is not None:
+            found = unknown_key(node, tp, f"{key}.")
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            found = next((u for n in node if (u := unknown_key(node[n], typing.get_args(tp)[1], f"{key}.{n}."))), None)
+        else:
+            found = None
+        if found is not None:
+            return found
+    return None
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    """`KEY: unknown config key; nearest: ...; allowed under 'PARENT': ...`: the nearest keys by spelling, those
+    beside it first, then any in the schema (a key given at the wrong level, `ttt_length=5`, is found too)."""
+    import difflib
+
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    if parent == "suites":
+        suites = ", ".join(_group_options("suite"))
+        return ConfigError(key, f"unknown suite; configured: {suites} (a new suite is configs/suite/NAME.yaml)")
+    leaf = key.rsplit(".", 1)[-1]
+    beside = [
+        f"{parent}.{k}" if parent else k for k in difflib.get_close_matches(leaf, _known_keys(parent), cutoff=0.75)
+    ]
+    anywhere = [k for k in _schema_keys(Config) if difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.8)]
+    near = list(dict.fromkeys(beside + anywhere))[:3]
+    said = f"; nearest: {', '.join(near)}" if near else ""
+    allowed = ", ".join(_known_keys(parent)) or "(none)"
+    return ConfigError(key, f"unknown config key{said}; allowed under '{parent or '<root>'}': {allowed}")
+
+
+def _schema_keys(schema: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (a suite's keys as `suites.NAME.KEY`)."""
+    out = []
+    for name, tp in typing.get_type_hints(schema).items():
+        tp = strip_optional(tp)
+        if dataclasses.is_dataclass(tp):
+            out += _schema_keys(tp, f"{prefix}{name}.")
+        elif typing.get_origin(tp) is dict and dataclasses.is_dataclass(typing.get_args(tp)[1]):
+            out += _schema_keys(typing.get_args(tp)[1], f"{prefix}{name}.NAME.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def _known_keys(node: str) -> list[str]:
     schema: Any = Config
-    for part in filter(None, node.split(".")):
-        schema = typing.get_type_hints(schema).get(part)
-        if not dataclasses.is_dataclass(schema):
-            return "(none)"
-    return ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
+    parts = [p for p in node.split(".") if p]
+    while parts:
+        tp = strip_optional(typing.get_type_hints(schema).get(parts.pop(0)))
+        if typing.get_origin(tp) is dict and parts:  # suites.NAME: a suite's keys
+            tp, _ = typing.get_args(tp)[1], parts.pop(0)
+        if not dataclasses.is_dataclass(tp):
+            return []
+        schema = tp
+    return sorted(f.name for f in dataclasses.fields(schema))
 
 
 def _override_key(text: str, overrides: list[str]) -> str:
