@@ -181,7 +181,7 @@ class Sweep:
         what the points compute (their `config_hash`, composed): an edited profile, config group or schema
         default makes another study, whose runs are never mixed with the earlier ones."""
         spec = asdict(self)
-        for k in ("trials", "description", "max_retry", "heartbeat_s", "grace_s", "source"):
+        for k in ("trials", "description", "max_retry", "heartbeat_s", "grace_s", "source", "kind", "baseline"):
             spec.pop(k)
         configs = sorted({config_hash(compose(self.trial_overrides(p, self.seeds[0], extra))) for p in self.probes()})
         return short_hash({"spec": spec, "extra": changing_results(extra), "configs": configs}, 8)
