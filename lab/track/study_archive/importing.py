@@ -12,10 +12,9 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from lab.config import redact
-from lab.track.queries import _equals, _no_progress_bar
+from lab.track.queries import _equals, _no_progress_bar, every_run
 from lab.track.runs import ensure_experiment
 from lab.track.store import configure, local_paths
-from lab.track.study_archive.export import _search
 from lab.track.study_archive.reading import PARENT_TAG, Archive, _dataset_input
 from lab.track.writers import _writing
 
@@ -62,7 +61,7 @@ def plan_import(uri: str, artifact_root: str, archive: Archive) -> ImportPlan:
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             continue
-        for run in _search(client, [exp.experiment_id], ""):
+        for run in every_run(client, [exp.experiment_id], ""):
             tags = run.data.tags
             origin = tags.get(ORIGIN_TAG) or run.info.run_id
             complete = tags.get(PARTIAL_TAG) != "partial"
@@ -71,7 +70,7 @@ def plan_import(uri: str, artifact_root: str, archive: Archive) -> ImportPlan:
         key = archive.parent["tags"].get("lab.study_key")
         if key is not None and experiment == archive.parent["experiment"]:
             query = f"tags.`lab.role` = 'parent' and {_equals('tags.`lab.study_key`', key)}"
-            for other in _search(client, [exp.experiment_id], query):
+            for other in every_run(client, [exp.experiment_id], query):
                 if (other.data.tags.get(ORIGIN_TAG) or other.info.run_id) != _origin(archive.parent):
                     raise ValueError(
                         f"{redact(uri)} already holds another study '{key}' (parent run {other.info.run_id}); "
