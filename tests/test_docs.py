@@ -1,7 +1,7 @@
-"""The documentation stays a front door and true to the tree: the README is short, every relative link of
-`README.md` and `docs/*.md` reaches an existing file (and heading), docs/design.md stays readable in one
-sitting, and every test file has its row in docs/testing.md's table. Reads files only: no target, no model,
-no MLflow."""
+"""The documentation stays a front door and true to the tree: the README is short, every relative link of the
+README, the CHANGELOG and `docs/**/*.md` reaches an existing file (and heading), docs/design.md stays short enough
+to read at once, every test file has its row in docs/testing.md's table, and no page tells how the workbench was
+made instead of how it is used. Reads files only: no target, no model, no MLflow."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ DOCS = ROOT / "docs"
 DESIGN = DOCS / "design.md"
 TESTING = DOCS / "testing.md"
 README_LIMIT = 12_000
-DESIGN_LIMIT = 25_000  # one sitting: the design alone (metric keys: metrics.md, tests: TESTING, history: CHANGELOG)
+DESIGN_LIMIT = 25_000  # read at once: the design alone (metric keys: metrics.md, tests: TESTING, history: CHANGELOG)
 TEST_TABLE = "## What each file covers"
 
 FENCE = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)
@@ -24,10 +24,53 @@ CODE_SPAN = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
+# Words that tell of the workbench's making (who lent which machine, its upload limits, sittings, issue, ticket and
+# stop numbers) rather than of its use. Peers' issues cited as `project#N` or `owner/repo#N` are references.
+MAKING = re.compile(
+    "|".join(
+        (
+            r"\bsittings?\b",
+            r"\bsessions?\b",
+            r"\blent\b",
+            r"\bborrow(?:s|ed|ing)?\b",
+            r"\bloans?\b",
+            r"\bdevice[- ](?:time|seconds|minutes|budget)\b",
+            r"\bmachine's budget\b",
+            r"\b(?:one|two|three|four|five|\d+) carries\b|\b(?:a|one|per) carry\b",  # uploads, counted
+            r"\bcarr(?:y|ies|ied) with the tree\b",
+            r"\bupload limits?\b",
+            r"\bone call's\b",
+            r"\bstops? \d+",
+            r"\bissues? #?\d+",
+            r"(?<![\w/.-])(?<!PR )#\d+\b",  # a bare "#53"; a peer's `PR #97` or `vllm#42508` is a reference
+            r"\btickets?\b",
+            r"\bdevice tool\b",
+            r"\bthe project's (?:own )?machines?\b",
+            r"\bfarm-(?:bench|studio)\b",
+        )
+    ),
+    re.I,
+)
+# What those words may name in this project: pytest's session scope, the summary file scripts/gpu_session.sh writes
+ALLOWED = re.compile(r"\bsession[- ]scoped\b|\bsession\.md\b", re.I)
 
 
 def _pages() -> list[Path]:
     return [README, ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _all_pages() -> list[Path]:
+    """Every page a reader opens: the README, the CHANGELOG and docs/ with its results."""
+    return [README, ROOT / "CHANGELOG.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def making_words(text: str) -> list[tuple[int, str]]:
+    """(line number, phrase) of each word in `text` that tells of the workbench's making."""
+    hits = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = ALLOWED.sub(lambda allowed: " " * len(allowed.group()), line)
+        hits += [(number, found.group()) for found in MAKING.finditer(line)]
+    return hits
 
 
 def _prose(text: str) -> str:
@@ -61,7 +104,7 @@ def test_readme_is_a_front_door():
     assert size < README_LIMIT, f"README.md has {size} characters; move detail into docs/ (limit {README_LIMIT})"
 
 
-@pytest.mark.parametrize("page", _pages(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", _all_pages(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: Path):
     broken = []
     for target in LINK.findall(_prose(page.read_text())):
@@ -76,7 +119,7 @@ def test_relative_links_resolve(page: Path):
     assert not broken, f"{page.relative_to(ROOT)}: broken links: {'; '.join(broken)}"
 
 
-def test_the_design_is_read_in_one_sitting():
+def test_the_design_is_short():
     size = len(DESIGN.read_text())
     assert size <= DESIGN_LIMIT, f"docs/design.md has {size} characters; keep it to the design (limit {DESIGN_LIMIT})"
 
@@ -117,3 +160,27 @@ def test_help_names_every_experiment_and_sweep():
     for folder in ("experiments", "sweeps"):
         names = sorted(p.stem for p in (ROOT / folder).glob("*.yaml"))
         assert names and f"{folder} ({folder}/): {' '.join(names)}" in said
+
+
+@pytest.mark.parametrize("page", _all_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_docs_speak_of_the_workbench_not_of_its_making(page: Path):
+    """A page says what a command does, costs and found; not who lent which machine, a place's upload limit,
+    the sittings it took or the ticket it answered."""
+    hits = [f"{page.relative_to(ROOT)}:{line}: {phrase!r}" for line, phrase in making_words(page.read_text())]
+    assert not hits, "words that tell of the making, not the use:\n" + "\n".join(hits)
+
+
+def test_the_making_check_finds_what_it_refuses():
+    sample = """The next sitting should rerun it: 838 of the session's 900 device seconds went on the borrowed H200.
+It came in three carries (the upload limit of one call's 64 MiB) on machines lent to the project.
+Fixed in stop 65 (issue 53, ticket #54), measured with farm-bench."""
+    assert making_words(sample) == [
+        (1, "sitting"), (1, "session"), (1, "device seconds"), (1, "borrowed"),
+        (2, "three carries"), (2, "upload limit"), (2, "one call's"), (2, "lent"),
+        (3, "stop 65"), (3, "issue 53"), (3, "ticket"), (3, "#54"), (3, "farm-bench"),
+    ]  # fmt: skip
+    legitimate = """Runs carry the tag `study`; a session-scoped fixture; `session.md` lists the stages.
+See speculators#613, vllm#42508, SafeAILab/EAGLE#339 and TorchSpec PR #97; the total trial budget; each carries
+its tag.
+Training stops at step 50 of 600; blocking uploads; the eos stops decoding."""
+    assert making_words(legitimate) == []
