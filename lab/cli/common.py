@@ -15,7 +15,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lab.config import SQLITE_STORE, ConfigError
 from lab.config.rules import PathRule, path_problem
@@ -185,6 +185,8 @@ def reachable(uri: str) -> str:
             "tracking.uri", f"{exc} (start it with `lab ui` / `mlflow server`, or use the local sqlite store)"
         ) from None
     track.check_writable(uri)  # refused now, in one line, while `lab doctor --rekey` rewrites the store
+    for orphan in track.close_orphans(uri):  # a run whose process died (SIGKILL, OOM, a lost node) ends FAILED
+        print(f"note: ended FAILED {orphan.said()}", file=sys.stderr)
     return uri
 
 
@@ -224,3 +226,35 @@ def capped_workers(args: argparse.Namespace, option: str = "--workers") -> int:
         print(f"{option} {workers}: capped at {cores}, this machine's cores (--force keeps {workers})")
         return cores
     return workers
+
+
+def print_config(cfg: Any, title: str = "") -> None:
+    """`--cfg job`: the composed config as YAML, every default filled in."""
+    from omegaconf import OmegaConf
+
+    if title:
+        print(f"# {title}")
+    print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+
+
+def print_arms(exp: Any, extra: list[str]) -> None:
+    """`--cfg job` of an experiment: each arm's composed config at its first seed, one YAML document each."""
+    from lab.config.composition import compose
+
+    for i, arm in enumerate(exp.arms):
+        if i:
+            print("---")
+        cfg = compose([*exp.overrides, *arm.overrides, *extra, f"seed={exp.seeds[0]}"])
+        print_config(cfg, f"arm {arm.name} ({arm.label}), seeds {', '.join(map(str, exp.seeds))}")
+
+
+def print_points(sweep: Any, extra: list[str]) -> None:
+    """`--cfg job` of a sweep: the composed config of each point that stands for its space (a grid's every point,
+    else the base point and each range's ends), one YAML document each."""
+    from lab.config.composition import compose
+
+    for i, params in enumerate(sweep.probes()):
+        if i:
+            print("---")
+        cfg = compose(sweep.trial_overrides(params, sweep.seeds[0], extra))
+        print_config(cfg, f"point {sweep.label(params)}, seeds {', '.join(map(str, sweep.seeds))}")

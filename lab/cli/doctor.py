@@ -1,5 +1,6 @@
 """`lab doctor`: what is installed, which device a config runs on, where the store and caches are, and whether
-the store holds runs keyed by an older config_hash scheme (`--rekey` re-keys them)."""
+the store holds runs keyed by an older config_hash scheme (`--rekey` re-keys them) or left RUNNING by a process
+that is gone (`--fix` closes them)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     check_paths(cfg, keys=STORE_KEYS)
     describe(cfg)
     _check_hash_scheme(cfg.tracking.uri, args.rekey)
+    _check_orphans(cfg.tracking.uri, args.fix)
     return 0
 
 
@@ -84,6 +86,24 @@ def _check_hash_scheme(uri: str, rekey: bool) -> None:
     print(f"store: re-keyed {done} of {len(old)} run(s) to config_hash scheme {CONFIG_HASH_SCHEME}")
 
 
+def _check_orphans(uri: str, fix: bool) -> None:
+    """Runs left RUNNING by a process that is gone (lab/track/liveness.py): listed, or with `fix` ended FAILED."""
+    from lab import track
+    from lab.track import liveness
+
+    found = track.orphans(uri)
+    if not found:
+        print("store: no run left RUNNING by a process that is gone")
+        return
+    for orphan in found:
+        print(f"store: {'closing' if fix else 'orphan'} {orphan.said()}")
+    if fix:
+        liveness.close(uri, found)
+        print(f"store: ended {len(found)} orphaned run(s) FAILED, tagged {liveness.ORPHANED}")
+    else:
+        print(f"store: {len(found)} run(s) left RUNNING by a process that is gone; `lab doctor --fix` ends them FAILED")
+
+
 def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tracking.uri=...")
     p.add_argument(
@@ -91,6 +111,7 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="re-key runs recorded under an older config_hash scheme (from their config.yaml), so studies find them",
     )
+    p.add_argument("--fix", action="store_true", help="end FAILED the runs left RUNNING by a process that is gone")
 
 
 DOCTOR = Verb(cmd_doctor, _doctor_arguments)

@@ -332,6 +332,8 @@ class TrackingConfig:
     # Optuna storage of sweeps: null = a journal file beside the local MLflow database; an RDB URL
     # (postgresql://...) or a journal file path for workers on many machines
     optuna_storage: str | None = checked(None, path=(OPTUNA_JOURNAL, OPTUNA_SQLITE))
+    # MLflow's system metrics on every run: CPU, memory, disk, network, and each GPU where nvidia-ml-py is installed
+    system_metrics: bool = True
 
 
 @dataclass

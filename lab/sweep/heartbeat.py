@@ -1,12 +1,11 @@
 """Heartbeats and stale trials: a running trial's worker stamps `heartbeat` every `heartbeat_s`; a RUNNING
 trial whose worker is gone (same host: its process no longer exists; elsewhere: no heartbeat change for
-`grace_s`) is failed, its MLflow run ended FAILED, and it is re-enqueued with the same params."""
+`grace_s`) is failed, its MLflow run ended FAILED, and it is re-enqueued with the same params. The rule is the
+one that finds any run left RUNNING (lab/track/liveness.py), whose names it uses."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,28 +18,8 @@ from lab.sweep import optuna_adapter as adapter
 from lab.sweep.queue import retry
 from lab.sweep.storage import Session
 
-
-def this_host() -> str:
-    return socket.gethostname()
-
-
-def worker_name() -> str:
-    """This process as the `worker` attribute of its trials: "host:pid"."""
-    return f"{this_host()}:{os.getpid()}"
-
-
-def process_gone(worker: str) -> bool:
-    """True if `worker` ("host:pid") ran on this host and its process no longer exists."""
-    host, _, pid = worker.rpartition(":")
-    if host != this_host() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        pass
-    return False
+__all__ = ["beating", "process_gone", "recover_stale", "worker_name"]
+from lab.track.liveness import process_gone, worker_name
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ knowing which module holds it. A test that patches one patches it here when a ca
 
 from __future__ import annotations
 
+from lab.track.liveness import Orphan, orphans
 from lab.track.notes import NOTE, describe_experiment, describe_run, save_view, study_page, study_runs_filter
 from lab.track.queries import (
     TrainedRun,
@@ -54,8 +55,20 @@ from lab.track.serving import UI_APP, check_reachable, server_command, ui_comman
 from lab.track.store import configure, is_server, local_paths, prepare_store, store_lock
 from lab.track.writers import check_writable
 
+
+def close_orphans(uri: str) -> list[Orphan]:
+    """End FAILED every run of the store left RUNNING by a process that is gone (lab/track/liveness.py); returns
+    them."""
+    from lab.track import liveness
+
+    found = orphans(uri)
+    liveness.close(uri, found)
+    return found
+
+
 __all__ = [
     "NOTE",
+    "Orphan",
     "UI_APP",
     "Run",
     "RunStopped",
@@ -79,6 +92,8 @@ __all__ = [
     "log_text",
     "logged_config",
     "metric_curve",
+    "orphans",
+    "close_orphans",
     "parent_run",
     "prepare_store",
     "rekey",

@@ -20,6 +20,7 @@ import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from lab.track import liveness
 from lab.track.queries import _equals
 from lab.track.store import configure, is_server, store_lock
 from lab.track.writers import _writing
@@ -151,6 +152,9 @@ def _ends_with_status(run: Run) -> Iterator[Run]:
         mlflow.end_run(status=run.end_status)
 
 
+SYSTEM_METRICS_SECONDS = 10  # MLflow's default interval
+
+
 @contextlib.contextmanager
 def start_run(
     uri: str,
@@ -159,19 +163,27 @@ def start_run(
     run_name: str,
     tags: dict[str, Any],
     parent_run_id: str | None = None,
+    system_metrics: bool = False,
 ) -> Iterator[Run]:
-    """An MLflow run that ends FINISHED, FAILED on an exception, KILLED on Ctrl-C."""
+    """An MLflow run that ends FINISHED, FAILED on an exception, KILLED on Ctrl-C; while open it says which
+    process writes it and beats (lab/track/liveness.py), so that one left RUNNING by a dead process is found and
+    closed. With `system_metrics`, MLflow
+    samples the machine beside it (`system/cpu_utilization_percentage`, memory, and each GPU where nvidia-ml-py is
+    installed) every `SYSTEM_METRICS_SECONDS`."""
     configure(uri)
     with _writing(uri):
         exp_id = ensure_experiment(experiment, artifact_root)
+        if system_metrics:
+            mlflow.set_system_metrics_sampling_interval(SYSTEM_METRICS_SECONDS)
         active = mlflow.start_run(
             experiment_id=exp_id,
             run_name=run_name,
             nested=parent_run_id is not None,
             parent_run_id=parent_run_id,
-            tags={k: str(v) for k, v in tags.items()},
+            tags={**{k: str(v) for k, v in tags.items()}, liveness.WORKER: liveness.worker_name()},
+            log_system_metrics=system_metrics,
         )
-        with _ends_with_status(Run(active.info.run_id)) as run:
+        with _ends_with_status(Run(active.info.run_id)) as run, liveness.beating(run.id):
             yield run
 
 
