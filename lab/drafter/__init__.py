@@ -3,12 +3,15 @@
 from lab.drafter.build import draft_vocabulary, drafter_spec, init_drafter
 from lab.drafter.formats import (
     CheckpointError,
+    VllmFacts,
+    VllmRefusal,
     checkpoint_format,
     inspect_checkpoint,
     load_checkpoint,
     save_native,
     save_speculators,
     vllm_incompatibility,
+    vllm_refusal,
 )
 from lab.drafter.model import DrafterSpec, Eagle3Drafter, KVCache, TTTCache
 
@@ -18,6 +21,8 @@ __all__ = [
     "Eagle3Drafter",
     "KVCache",
     "TTTCache",
+    "VllmFacts",
+    "VllmRefusal",
     "checkpoint_format",
     "draft_vocabulary",
     "drafter_spec",
@@ -27,4 +32,5 @@ __all__ = [
     "save_native",
     "save_speculators",
     "vllm_incompatibility",
+    "vllm_refusal",
 ]

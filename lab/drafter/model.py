@@ -212,7 +212,7 @@ class KVCache:
         past = 0 if self.k[layer] is None else self.k[layer].shape[2]
         self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
         self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=2)
-        keys, values = _repeat_kv(self.k[layer], q.shape[1]), _repeat_kv(self.v[layer], q.shape[1])
+        keys, values = repeat_kv(self.k[layer], q.shape[1]), repeat_kv(self.v[layer], q.shape[1])
         t_new, s_total = q.shape[2], keys.shape[2]
         scores = (q @ keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         q_pos = torch.arange(t_new, device=q.device)[:, None] + past
@@ -236,23 +236,37 @@ class TTTCache:
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.k[layer].append(_repeat_kv(k, q.shape[1]))
-        self.v[layer].append(_repeat_kv(v, q.shape[1]))
-        k0, v0 = self.k[layer][0], self.v[layer][0]
-        t = q.shape[2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        causal = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
-        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-        causal = causal.masked_fill(mask, float("-inf"))
-        diag = [(q * ki).sum(-1, keepdim=True) * scale for ki in self.k[layer][1:]]  # [B, h, T, 1] each
-        probs = torch.softmax(torch.cat([causal, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :t] @ v0
-        for i, vi in enumerate(self.v[layer][1:]):
-            out = out + probs[..., t + i : t + i + 1] * vi
+        self.k[layer].append(repeat_kv(k, q.shape[1]))
+        self.v[layer].append(repeat_kv(v, q.shape[1]))
+        out, _ = dense_ttt_attention(q, self.k[layer], self.v[layer], torch.arange(q.shape[2], device=q.device))
         return out
 
 
-def _repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+def dense_ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], at: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TTT attention over dense scores, under one softmax: queries q [B, h, n, d] at positions `at` ([n] or
+    [B, n]) see step 0's keys keys[0] [B, h, T, d] up to their own position, and each later step's keys keys[i]
+    [B, h, n, d] only at their own position (the diagonal). Returns the output [B, h, n, d] and the attention
+    probabilities [B, h, n, T + len(keys) - 1] (step 0's T keys, then one per later step), in q's dtype with
+    the softmax in float32. `TTTCache` runs it over every position, the replay (lab/eval/replay.py) over the
+    positions its rounds start from."""
+    k0, v0 = keys[0], values[0]
+    t = k0.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    causal = (q @ k0.transpose(-1, -2)) * scale  # [B, h, n, T]
+    future = torch.arange(t, device=q.device) > at[..., None]  # [(B,) n, T]: keys after the query's position
+    causal = causal.masked_fill(future.unsqueeze(-3), float("-inf"))
+    diag = [(q * ki).sum(-1, keepdim=True) * scale for ki in keys[1:]]  # [B, h, n, 1] each
+    probs = torch.softmax(torch.cat([causal, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :t] @ v0
+    for i, vi in enumerate(values[1:]):
+        out = out + probs[..., t + i : t + i + 1] * vi
+    return out, probs
+
+
+def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """K or V [B, kv_heads, S, d] repeated to [B, num_heads, S, d]: each KV head serves its group of query heads."""
     groups = num_heads // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 

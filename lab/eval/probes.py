@@ -18,20 +18,22 @@ from lab.target import chunked_argmax
 
 @dataclass
 class DriftProbes:
-    """Accumulates per-drafting-step (j = 1..k) sums over heads, layers, rounds and prompts. `record` keeps each
-    step's values on the device and they are read in one transfer when the sums are (a host sync per step
-    would stall a GPU's decoding); they are added as Python floats in recording order, as they always were."""
+    """Accumulates per-drafting-step (j = 1..k) sums over heads, layers, rounds and prompts: the attention mass
+    on the first `n_sink` keys (`sink`) and on the keys of this round's own drafts (`self_mass`), and the RMS of
+    the state fed back (`feedback_rms`). `record` keeps each step's values on the device and they are read in
+    one transfer when the sums are (a host sync per step would stall a GPU's decoding); they are added as Python
+    floats in recording order, so that the sums do not depend on when they are read."""
 
     k: int
     n_sink: int = 1
     sink: list[float] = field(default_factory=list)
-    self_: list[float] = field(default_factory=list)
+    self_mass: list[float] = field(default_factory=list)
     feedback_rms: list[float] = field(default_factory=list)
     count: list[int] = field(default_factory=list)
     _pending: list[tuple[int, torch.Tensor]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("sink", "self_", "feedback_rms"):
+        for name in ("sink", "self_mass", "feedback_rms"):
             setattr(self, name, [0.0] * self.k)
         self.count = [0] * self.k
 
@@ -49,11 +51,11 @@ class DriftProbes:
         )
         self._pending.append((j, values))
 
-    def add(self, j: int, sink: float, self_: float, feedback_rms: float) -> None:
+    def add(self, j: int, sink: float, self_mass: float, feedback_rms: float) -> None:
         """Step j's values as `record` computes them (the replay's, lab/eval/replay.py), added in order."""
         self._flush()
         self.sink[j - 1] += sink
-        self.self_[j - 1] += self_
+        self.self_mass[j - 1] += self_mass
         self.feedback_rms[j - 1] += feedback_rms
         self.count[j - 1] += 1
 
@@ -62,27 +64,27 @@ class DriftProbes:
             return
         values = torch.stack([v.float() for _, v in self._pending]).tolist()  # one transfer
         pending, self._pending = self._pending, []
-        for (j, _), (sink, self_, rms) in zip(pending, values, strict=True):
-            self.add(j, sink, self_, rms)
+        for (j, _), (sink, self_mass, rms) in zip(pending, values, strict=True):
+            self.add(j, sink, self_mass, rms)
 
     def merge(self, other: DriftProbes) -> None:
         self._flush()
         other._flush()
-        for name in ("sink", "self_", "feedback_rms", "count"):
+        for name in ("sink", "self_mass", "feedback_rms", "count"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name), strict=True)])
 
     def sums(self) -> dict[str, list[float] | list[int]]:
         """The running sums per drafting step, as `per_prompt/{suite}.json` records them: summed over
         prompts and divided as `curves` divides them, they give the logged curves."""
         self._flush()
-        names = {"sink": self.sink, "self": self.self_, "feedback_rms": self.feedback_rms, "count": self.count}
+        names = {"sink": self.sink, "self": self.self_mass, "feedback_rms": self.feedback_rms, "count": self.count}
         return {name: list(values) for name, values in names.items()}
 
     def curves(self) -> dict[str, list[float]]:
         self._flush()
         n = [max(c, 1) for c in self.count]
         sink = [s / c for s, c in zip(self.sink, n, strict=True)]
-        self_mass = [s / c for s, c in zip(self.self_, n, strict=True)]
+        self_mass = [s / c for s, c in zip(self.self_mass, n, strict=True)]
         fb = [s / c for s, c in zip(self.feedback_rms, n, strict=True)]
         return {
             "sink_mass": sink,

