@@ -7,6 +7,8 @@ One round, with n tokens committed and `pending` = the target's next token (not 
   3. the longest prefix of drafts equal to the target's argmax is kept, plus the target's next token
      (the bonus); both caches are cropped back to the committed positions, and the accepted positions'
      target features extend the drafter's context for the next round.
+`_round` is one round and returns a `Round`: `_draft` does step 1, `TargetCache` the target's side of 2 and 3,
+`_accept` the choice of 3 (a `Verdict`).
 Greedy (temperature 0) keeps the drafts equal to the target's argmax, so the output equals the
 target's own greedy decoding (tested for every toggle combination). With temperature > 0 drafts are
 sampled from the drafter and accepted by lossless speculative sampling (accept d with probability
@@ -161,33 +163,187 @@ def target_decode(
     return tokens, pre.seconds + time.perf_counter() - start
 
 
+@dataclass
+class Context:
+    """The drafter's new context entries, for the positions committed since its last pass: entry t holds the
+    target's features at t and the token at t + 1, so that the last entry's token is the pending one."""
+
+    ids: torch.Tensor  # [m]: the tokens at positions start + 1 .. start + m, on the device
+    aux: torch.Tensor  # [1, m, ...]: the target's features at positions start .. start + m - 1
+    start: int
+
+    @property
+    def end(self) -> int:
+        """The committed positions: those in the target's cache (the pending token comes next)."""
+        return self.start + len(self.ids)
+
+
+@dataclass
+class Drafts:
+    """A round's k drafts, as the target verifies them."""
+
+    tokens: list[torch.Tensor]  # k target ids, [1] each on the device: greedy drafting never waits for the host
+    probs: list[torch.Tensor | None]  # the drafter's distribution over target ids for each; None when greedy
+
+
+@dataclass
+class Verdict:
+    """What the target's verification keeps of the drafts, and the token it adds."""
+
+    accepted: int  # the drafts accepted, a prefix of them
+    bonus: int  # the target's token after the accepted drafts
+    drafts: list[int]  # all k drafts
+    committed: torch.Tensor | None  # greedy: the accepted drafts and the bonus, still on the device
+
+
+@dataclass
+class Round:
+    """One round's outcome: what it outputs and counts, and where the next round starts."""
+
+    accepted: int  # the drafts counted: those accepted, or those up to and including an accepted stop token
+    tokens: list[int]  # the round's output: the accepted drafts and the bonus, or the drafts up to the stop token
+    stopped: bool  # an accepted draft was a stop token: what follows it is no output
+    context: Context | None  # the drafter's context for the next round; None once stopped
+    draft_seconds: float
+    verify_seconds: float
+
+
+class TargetCache:
+    """The target's KV cache through a decoding, and the only code that steps it: a forward over a round's
+    proposed tokens, then a crop back to the committed positions. Kept apart so that another cache (a static
+    one stepped through CUDA graphs) can take its place without touching the round."""
+
+    def __init__(self, model, aux_layers: list[int], past_key_values) -> None:
+        self.model, self.aux_layers, self.past_key_values = model, aux_layers, past_key_values
+
+    def forward(self, tokens: torch.Tensor) -> Captured:
+        """The target over `tokens` [1, T] after the cached positions, which it extends by T."""
+        out = capture(self.model, tokens, self.aux_layers, past_key_values=self.past_key_values)
+        self.past_key_values = out.past_key_values
+        return out
+
+    def rewind(self, positions: int) -> None:
+        """Drop the last `positions` entries (transformers crops by a negative count from the end)."""
+        if positions > 0:
+            self.past_key_values.crop(-positions)
+
+
+@dataclass
+class Decoding:
+    """What one prompt's rounds share: the two models, their caches, and the decoding's settings."""
+
+    target: TargetCache
+    lm_head: torch.Tensor  # the target's [V, H]
+    drafter: Eagle3Drafter
+    drafter_cache: KVCache
+    k: int
+    temperature: float
+    generator: torch.Generator | None
+    probes: DriftProbes | None
+    stop_ids: tuple[int, ...]
+
+
+def _draft(run: Decoding, context: Context) -> Drafts:
+    """The drafter's pass over its new context entries, then k drafts, each fed back for the next (the last
+    too when probes record its step)."""
+    drafter, cache, n, device = run.drafter, run.drafter_cache, context.end, context.ids.device
+    drafts = Drafts([], [])
+    with autocast(device, run.lm_head.dtype):
+        positions = torch.arange(context.start, n + run.k, device=device)[None]  # the context's, then the drafts'
+        hidden = drafter.project(context.aux.to(drafter.fc.weight.dtype))  # the drafter reads features in its dtype
+        h_out = drafter(context.ids[None], hidden, positions[:, : len(context.ids)], cache)[:, -1:]
+        for j in range(run.k):
+            logits = drafter.logits(h_out)[0, -1]
+            if run.temperature == 0:
+                draft, q = drafter.to_target_ids(logits.argmax()[None]), None
+            else:
+                draft_id, q = _pick(logits, run.temperature, run.generator)
+                draft = drafter.to_target_ids(torch.tensor([draft_id], device=device))
+            drafts.tokens.append(draft)
+            drafts.probs.append(None if q is None else drafter.to_target_probs(q))
+            last = j + 1 == run.k
+            if last and run.probes is None:
+                break  # the last draft feeds nothing back
+            fed_back = drafter.feedback(h_out)
+            if run.probes is not None:  # keys from index n on were drafted in this round
+                run.probes.record(j + 1, cache.last_probs, first_self_key=n, fed_back=fed_back)
+            if not last:
+                at = n + j - context.start
+                h_out = drafter(draft[None], fed_back, positions[:, at : at + 1], cache)
+    return drafts
+
+
 def _accept(
     drafts: torch.Tensor,
     draft_probs: list[torch.Tensor | None],
-    target_z: torch.Tensor,
+    target_logits: torch.Tensor,
     temperature: float,
     generator: torch.Generator | None,
-) -> tuple[int, int, list[int], torch.Tensor | None]:
-    """(number of drafts accepted, the token that follows them, the drafts as ints, and greedy's committed
-    tokens, the accepted drafts and that token, still on the device) from the drafts [k] and the target's
-    logits [k+1, V]: greedy reads them from the device in one transfer a round."""
-    k = len(drafts)
+) -> Verdict:
+    """The verdict on the drafts [k] from the target's logits [k + 1, V] (row i follows drafts[:i]): greedy
+    keeps the longest prefix equal to the target's argmax, sampling accepts by speculative sampling."""
     if temperature == 0:
-        preds = target_z.argmax(-1)  # preds[i] follows drafts[:i]
-        accepted = (drafts == preds[:k]).int().cumprod(0).sum()  # the longest prefix that matches
-        said = torch.cat([accepted[None], preds, drafts]).tolist()
-        accepted = said[0]
-        return accepted, said[1 + accepted], said[k + 2 :], torch.cat([drafts[:accepted], preds[accepted:][:1]])
+        return _accept_greedy(drafts, target_logits)
+    return _accept_sampled(drafts, draft_probs, target_logits, temperature, generator)
+
+
+def _accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """The longest prefix of drafts equal to the target's argmax, and the target's argmax after it."""
+    k = len(drafts)
+    preds = target_logits.argmax(-1)
+    matched = (drafts == preds[:k]).int().cumprod(0).sum()
+    # the round's one wait for the host: the count, the predictions and the drafts, read in one transfer
+    read = torch.cat([matched[None], preds, drafts]).tolist()
+    accepted, predicted, drafted = read[0], read[1 : k + 2], read[k + 2 :]
+    committed = torch.cat([drafts[:accepted], preds[accepted : accepted + 1]])
+    return Verdict(accepted, predicted[accepted], drafted, committed)
+
+
+def _accept_sampled(
+    drafts: torch.Tensor,
+    draft_probs: list[torch.Tensor | None],
+    target_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Accept draft d with probability min(1, p(d) / q(d)); the first rejected one is resampled from
+    norm(max(0, p - q)), and after k accepted the bonus is drawn from p."""
     tokens = drafts.tolist()
-    p = torch.softmax(target_z.float() / temperature, dim=-1)
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
     for i, (d, q) in enumerate(zip(tokens, draft_probs, strict=True)):
         # as Python floats: the CPU generator's draw against a ratio on any device (exact: both are float32)
         if torch.rand((), generator=generator).item() >= torch.clamp(p[i, d] / q[d], max=1.0).item():
             residual = (p[i] - q).clamp_min(0)
             total = residual.sum()
             dist = residual / total if total > 0 else p[i]
-            return i, _sample(dist, generator), tokens, None
-    return k, _sample(p[k], generator), tokens, None
+            return Verdict(i, _sample(dist, generator), tokens, committed=None)
+    return Verdict(len(tokens), _sample(p[len(tokens)], generator), tokens, committed=None)
+
+
+def _round(run: Decoding, context: Context) -> Round:
+    """Draft k tokens, verify them with the pending token in one target forward, accept a prefix, then cut
+    both caches back to the committed positions and hand the drafter its next context."""
+    device, n = context.ids.device, context.end
+    drafting = time.perf_counter()
+    drafts = _draft(run, context)
+    if device.type == "cuda":  # the drafts were queued, not computed: time what they cost
+        torch.cuda.synchronize(device)
+    verifying = time.perf_counter()
+    proposed = torch.cat([context.ids[-1:], *drafts.tokens])[None]  # [1, k + 1]: the pending token, the drafts
+    verified = run.target.forward(proposed)
+    verdict = _accept(proposed[0, 1:], drafts.probs, verified.final[0] @ run.lm_head.T, run.temperature, run.generator)
+    draft_seconds, verify_seconds = verifying - drafting, time.perf_counter() - verifying
+
+    accepted = verdict.accepted
+    stop = next((i for i, tok in enumerate(verdict.drafts[:accepted]) if tok in run.stop_ids), None)
+    if stop is not None:
+        return Round(stop + 1, verdict.drafts[: stop + 1], True, None, draft_seconds, verify_seconds)
+    run.target.rewind(run.k - accepted)  # the rejected drafts
+    run.drafter_cache.crop(n)  # the drafted entries; the context entries stay valid
+    tokens = verdict.drafts[:accepted] + [verdict.bonus]
+    ids = verdict.committed if verdict.committed is not None else torch.tensor(tokens, device=device)
+    following = Context(ids, verified.aux[:, : accepted + 1], start=n)
+    return Round(accepted, tokens, False, following, draft_seconds, verify_seconds)
 
 
 @torch.no_grad()
@@ -210,73 +366,24 @@ def speculative_decode(
     decoded tokens are the same)."""
     aux_layers = drafter.spec.aux_layer_ids
     lm_head = target_model.get_output_embeddings().weight
-    device, features = lm_head.device, drafter.fc.weight.dtype  # the drafter reads features in its own dtype
-    stats = DecodeStats()
     pre = prefilled or prefill(target_model, prompt, aux_layers)
     start = time.perf_counter()
-    cap, target_cache = pre.captured, pre.cache()
-    pending = _pick(cap.final[0, -1] @ lm_head.T, temperature, generator)[0]
-    generated = [pending]
-    n = len(prompt)  # committed tokens in the target cache
+    target = TargetCache(target_model, aux_layers, pre.cache())
+    pending = _pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]
+    drafter_cache = KVCache(len(drafter.layers), record=probes is not None)
+    run = Decoding(target, lm_head, drafter, drafter_cache, k, temperature, generator, probes, stop_ids)
+    context = Context(torch.tensor(prompt[1:] + [pending], device=lm_head.device), pre.captured.aux, start=0)
 
-    dcache = KVCache(len(drafter.layers), record=probes is not None)
-    # drafter context: entry t = (features of t, token t+1), for the positions just committed; its tokens on
-    # the device (greedy rounds never upload them: they are the last round's accepted drafts and bonus)
-    ctx_ids, ctx_aux, ctx_start = torch.tensor(prompt[1:] + [pending], device=device), cap.aux, 0
-
-    while len(generated) < max_new_tokens and pending not in stop_ids:
-        drafting = time.perf_counter()
-        with autocast(device, lm_head.dtype):
-            positions = torch.arange(ctx_start, n + k, device=device)[None]  # the context's, then the drafts'
-            hidden = drafter.project(ctx_aux.to(features))
-            context = positions[:, : len(ctx_ids)]
-            h_out = drafter(ctx_ids[None], hidden, context, dcache)[:, -1:]
-            drafted: list[torch.Tensor] = []  # [1] each, on the device: greedy drafting never waits for the host
-            draft_probs: list[torch.Tensor | None] = []
-            for j in range(k):
-                logits = drafter.logits(h_out)[0, -1]
-                if temperature == 0:
-                    draft, q = drafter.to_target_ids(logits.argmax()[None]), None
-                else:
-                    draft_id, q = _pick(logits, temperature, generator)
-                    draft = drafter.to_target_ids(torch.tensor([draft_id], device=device))
-                drafted.append(draft)
-                draft_probs.append(None if q is None else drafter.to_target_probs(q))
-                if j + 1 == k and probes is None:
-                    break  # the last draft feeds nothing back
-                fed_back = drafter.feedback(h_out)
-                if probes is not None:  # keys from index n on were drafted in this round
-                    probes.record(j + 1, dcache.last_probs, first_self_key=n, fed_back=fed_back)
-                if j + 1 < k:
-                    position = positions[:, n + j - ctx_start : n + j - ctx_start + 1]
-                    h_out = drafter(draft[None], fed_back, position, dcache)
-        if device.type == "cuda":  # the drafts were queued, not computed: time what they cost
-            torch.cuda.synchronize(device)
-        verifying = time.perf_counter()
-        stats.draft_seconds += verifying - drafting
-        proposed = torch.cat([ctx_ids[-1:], *drafted])[None]  # [1, k + 1]: the pending token, the drafts
-        verify = capture(target_model, proposed, aux_layers, past_key_values=target_cache)
-        accepted, bonus, drafts, committed = _accept(
-            proposed[0, 1:], draft_probs, verify.final[0] @ lm_head.T, temperature, generator
-        )
-        stats.verify_seconds += time.perf_counter() - verifying
-        stop = next((i for i, tok in enumerate(drafts[:accepted]) if tok in stop_ids), None)
-        if stop is not None:  # an accepted draft ends the answer: nothing after it is output
-            stats.add_round(k, stop + 1)
-            generated.extend(drafts[: stop + 1])
+    stats, generated = DecodeStats(), [pending]
+    while len(generated) < max_new_tokens and generated[-1] not in stop_ids:
+        step = _round(run, context)
+        stats.add_round(k, step.accepted)
+        stats.draft_seconds += step.draft_seconds
+        stats.verify_seconds += step.verify_seconds
+        generated.extend(step.tokens)
+        if step.stopped:
             break
-        stats.add_round(k, accepted)
-
-        target_cache = verify.past_key_values
-        if accepted < k:  # drop the rejected drafts (a negative count: tokens to remove from the end)
-            target_cache.crop(-(k - accepted))
-        dcache.crop(n)  # drop the drafted entries; the context entries stay valid
-        ctx_ids = committed if committed is not None else torch.tensor(drafts[:accepted] + [bonus], device=device)
-        ctx_aux = verify.aux[:, : accepted + 1]
-        ctx_start = n
-        n += accepted + 1
-        generated.extend(drafts[:accepted] + [bonus])
-        pending = bonus
+        context = step.context
 
     stats.seconds = pre.seconds + time.perf_counter() - start
     generated = generated[:max_new_tokens]
