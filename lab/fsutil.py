@@ -1,4 +1,5 @@
-"""Small file-system helpers shared by the caches: locks, atomic publication, content hashes, worker logs.
+"""Small file-system helpers shared by the caches: locks, atomic publication, content hashes, cache entries'
+identities, worker logs.
 
 Every file or folder the workbench publishes (caches, checkpoints, reports, archives) is written whole or not
 at all: written under a temp name beside its target, flushed to the disk (fsync), then renamed into place
@@ -18,6 +19,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +306,90 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 def short_hash(obj: Any, n: int = 12) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+IDENTITY = "identity"  # the field of a cache entry's manifest (or info file) that records its identity
+_SHOWN_MAX = 80  # characters of a value quoted in a mismatch's line (a sha256 whole)
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first field, dotted (`data.num_sequences`), in which a cache entry's recorded identity differs from the
+    one a run asks for, with the entry's value and the run's."""
+
+    field: str
+    stored: Any
+    asked: Any
+
+    def __str__(self) -> str:
+        return f"built for {self.field}={_shown(self.stored)}, this run asks {_shown(self.asked)}"
+
+
+class Identity:
+    """What a cache entry's key hashes. The key names the entry; the identity, recorded in the entry's manifest,
+    shows on load that the entry under a key is the one that key names. Caches are shared on a disk and copied
+    between machines, and a folder moved onto another key is still whole by its own manifest's hashes."""
+
+    def __init__(self, fields: dict[str, Any]):
+        # as the key hashes it and a manifest stores it: through JSON, anything JSON lacks as its str()
+        self.fields: dict[str, Any] = json.loads(json.dumps(fields, default=str))
+
+    def key(self, n: int = 12) -> str:
+        return short_hash(self.fields, n)
+
+    def mismatch(self, record: dict | None) -> Mismatch | None:
+        """The first field in which the identity that `record` (a manifest) holds differs from this one, else
+        None. A record that holds none is taken as it stands (its files are still checked against their hashes),
+        so that entries which record no identity keep loading."""
+        stored = record.get(IDENTITY) if isinstance(record, dict) else None
+        if stored is None:
+            return None
+        return _first_difference(stored, self.fields, "")
+
+
+def _first_difference(stored: Any, asked: Any, name: str) -> Mismatch | None:
+    """Fields in the run's order, then those only the entry has; lists and scalars compare whole, as JSON (so
+    that 1, 1.0 and true, which the key tells apart, differ here too)."""
+    if isinstance(stored, dict) and isinstance(asked, dict):
+        for field in [*asked, *(k for k in stored if k not in asked)]:
+            dotted = f"{name}.{field}" if name else field
+            found = _first_difference(stored.get(field, _ABSENT), asked.get(field, _ABSENT), dotted)
+            if found is not None:
+                return found
+        return None
+    if stored is not _ABSENT and asked is not _ABSENT and _canonical(stored) == _canonical(asked):
+        return None
+    return Mismatch(name or IDENTITY, stored, asked)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _shown(value: Any) -> str:
+    if value is _ABSENT:
+        return "(none)"
+    text = value if isinstance(value, str) and value and value.isprintable() else json.dumps(value)
+    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 3] + "..."
+
+
+def entry_name(path: Path) -> str:
+    """A cache entry as its messages name it: its kind's folder and its key (`hidden/ab12cd34ef56`)."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def built_entry(folder: Path, info: str, identity: Identity, rebuilding: bool = False) -> bool:
+    """Whether `folder` holds a finished entry of `identity`: its info file `info` (written last, a JSON object)
+    records it. With `rebuilding` (the caller builds the entry if not), one line says why a finished entry of
+    another identity is replaced."""
+    record = read_manifest(folder, info)
+    if record is None:
+        return False
+    wrong = identity.mismatch(record)
+    if wrong is not None and rebuilding:
+        print(f"cache entry {entry_name(folder)}: {wrong}; rebuilding it")
+    return wrong is None
 
 
 ERROR_LINE_MAX = 300  # characters of a tool's output quoted in a one-line message

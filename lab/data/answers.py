@@ -10,8 +10,9 @@ Layout, as the held-out states beside it (lab/data/cache.py): `{cache_dir}/answe
 (`input_ids` [N, T] int32 right-padded, `lengths` and `prompt_lens` [N], `aux` [N, T, A*H] in the target's
 dtype, `top` [N, T] int32) with a sha256 manifest, published whole under a lock. The key hashes the target
 fingerprint, its dtype and device kind, the prompts' token ids, the length, the stop ids and the captured
-layers. An entry whose file no longer matches its manifest is computed again (one line says so); one whose
-stored prompts differ from the suite's is refused in one line.
+layers, and the manifest records them (the entry's `Identity`). An entry whose file no longer matches its
+manifest, or that records another identity (an entry copied or moved under this key), is computed again (one
+line says so); one whose stored prompts differ from the suite's is refused in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from lab.data.cache import capture_heldout, publish_tensors, verified_or_built
-from lab.fsutil import short_hash
+from lab.fsutil import Identity
 from lab.target import Target
 from lab.target.generate import HF_BATCH, greedy_batch
 
@@ -108,8 +109,10 @@ def compute_answers(
     return Answers(sequences, [len(p) for p in prompts], top, padded)
 
 
-def answers_key(target: Target, prompts: list[list[int]], length: int, stop_ids, aux_layers: list[int]) -> str:
-    return short_hash(
+def answers_identity(
+    target: Target, prompts: list[list[int]], length: int, stop_ids, aux_layers: list[int]
+) -> Identity:
+    return Identity(
         {
             "target": target.fingerprint,
             "dtype": str(target.lm_head_weight.dtype),
@@ -123,6 +126,10 @@ def answers_key(target: Target, prompts: list[list[int]], length: int, stop_ids,
     )
 
 
+def answers_key(target: Target, prompts: list[list[int]], length: int, stop_ids, aux_layers: list[int]) -> str:
+    return answers_identity(target, prompts, length, stop_ids, aux_layers).key()
+
+
 def suite_answers(
     target: Target,
     prompts: list[list[int]],
@@ -132,10 +139,10 @@ def suite_answers(
     cache_dir: str | Path,
 ) -> Answers:
     """The prompts' `Answers` from the cache, or computed once (under a lock, published whole)."""
-    key = answers_key(target, prompts, length, stop_ids, aux_layers)
-    path = Path(cache_dir) / "answers" / key
-    build = functools.partial(_build, target, prompts, length, stop_ids, aux_layers, path, key)
-    _, hit = verified_or_built(path, build)
+    identity = answers_identity(target, prompts, length, stop_ids, aux_layers)
+    path = Path(cache_dir) / "answers" / identity.key()
+    build = functools.partial(_build, target, prompts, length, stop_ids, aux_layers, path, identity)
+    _, hit = verified_or_built(path, build, identity)
     stored = load_file(str(path / FILE))
     lengths, plens = stored["lengths"].tolist(), stored["prompt_lens"].tolist()
     ids, top = stored["input_ids"].tolist(), stored["top"].tolist()
@@ -146,13 +153,21 @@ def suite_answers(
     return Answers(sequences, plens, tops, stored["aux"], path, hit)
 
 
-def _build(target, prompts, length, stop_ids, aux_layers, path: Path, key: str) -> dict:
+def _build(target, prompts, length, stop_ids, aux_layers, path: Path, identity: Identity) -> dict:
     answers = compute_answers(target, prompts, length, stop_ids, aux_layers)
-    return write_answers(answers, path, key, target.fingerprint, aux_layers, length)
+    return write_answers(answers, path, path.name, target.fingerprint, aux_layers, length, identity)
 
 
-def write_answers(answers: Answers, path: Path, key: str, fingerprint: str, aux_layers: list[int], length: int) -> dict:
-    """Publish `answers` whole as the entry `path`, with its manifest."""
+def write_answers(
+    answers: Answers,
+    path: Path,
+    key: str,
+    fingerprint: str,
+    aux_layers: list[int],
+    length: int,
+    identity: Identity | None = None,
+) -> dict:
+    """Publish `answers` whole as the entry `path`, with its manifest (recording `identity`, where given)."""
     width = answers.aux.shape[1]
     tensors = {
         "input_ids": torch.tensor([s + [0] * (width - len(s)) for s in answers.sequences], dtype=torch.int32),
@@ -165,6 +180,7 @@ def write_answers(answers: Answers, path: Path, key: str, fingerprint: str, aux_
         path,
         FILE,
         tensors,
+        identity,
         key=key,
         format=ANSWERS_FORMAT,
         target=fingerprint,

@@ -3,8 +3,9 @@
 Layout: `{cache_dir}/hidden/{key}/shard_00000.safetensors ... manifest.json`. Each shard holds
 `input_ids` [n, T] (int32), `loss_mask` [n, T] (uint8), `aux` [n, T, A*H] and `final` [n, T, H]
 (bfloat16). The key hashes the target fingerprint, the data config and the captured layer ids; the
-manifest records each shard's sha256, checked on every load (a corrupted or truncated shard triggers
-a rebuild, never silent use). A build writes its shards into `{key}.partial/` first (each through a temp
+manifest records each shard's sha256 and what the key hashes (its `Identity`), both checked on every load: a
+corrupted or truncated shard, or an entry found under a key that is not its own (copied or moved there),
+is rebuilt, never used. A build writes its shards into `{key}.partial/` first (each through a temp
 name, flushed, then renamed), so an interrupted build resumes from the shards it finished, and renames that
 folder onto `{key}` once it holds every shard and the manifest: an entry is whole or absent.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,13 +35,15 @@ from tqdm.auto import tqdm
 
 from lab.data.code_data import Sequences, training_sequences
 from lab.fsutil import (
+    IDENTITY,
+    Identity,
     atomic_file,
+    entry_name,
     file_lock,
     mismatched_file,
     read_manifest,
     replace_dir,
     sha256_file,
-    short_hash,
     staging_dir,
 )
 from lab.target import Target, capture, chunked_argmax, corpus, target_logits
@@ -65,41 +69,61 @@ class HiddenStates:
         return self.input_ids.shape[0]
 
 
-def cache_key(target: Target, dcfg: DictConfig, aux_layers: list[int]) -> str:
+def hidden_identity(target: Target, dcfg: DictConfig, aux_layers: list[int]) -> Identity:
     data = OmegaConf.to_container(dcfg, enum_to_str=True)
-    return short_hash({"target": target.fingerprint, "data": data, "aux": list(aux_layers), "format": FORMAT})
+    return Identity({"target": target.fingerprint, "data": data, "aux": list(aux_layers), "format": FORMAT})
 
 
-def _verify(path: Path) -> dict | None:
-    """The manifest if every shard is present with its recorded hash, else None."""
+def cache_key(target: Target, dcfg: DictConfig, aux_layers: list[int]) -> str:
+    return hidden_identity(target, dcfg, aux_layers).key()
+
+
+def _check(path: Path, identity: Identity | None) -> tuple[dict | None, str | None]:
+    """The entry's manifest if it records `identity` (where given) and every shard is there with its recorded
+    hash; else None and what is wrong with the entry (None: there is none)."""
     manifest = read_manifest(path, MANIFEST)
     if manifest is None:
-        return None
+        return None, None
+    wrong = identity.mismatch(manifest) if identity is not None else None
+    if wrong is not None:
+        return None, f"cache entry {entry_name(path)}: {wrong}"
     bad = mismatched_file(path, {shard["file"]: shard["sha256"] for shard in manifest["shards"]})
     if bad is not None:
-        print(f"cache entry {path / bad} is missing or does not match its manifest hash; rebuilding it")
-        return None
-    return manifest
+        return None, f"cache entry {path / bad} is missing or does not match its manifest hash"
+    return manifest, None
 
 
-def publish_tensors(path: Path, file: str, tensors: dict[str, torch.Tensor], **info: Any) -> dict:
-    """Publish `tensors` as the one-file entry `path` (staged whole, then renamed), with a manifest of `info` and
-    the file's sha256, which `verified_or_built` checks; returns the manifest."""
+def _verify(path: Path, identity: Identity | None = None) -> dict | None:
+    """The manifest if every shard is present with its recorded hash (and the entry records `identity`), else None."""
+    return _check(path, identity)[0]
+
+
+def publish_tensors(
+    path: Path, file: str, tensors: dict[str, torch.Tensor], identity: Identity | None, **info: Any
+) -> dict:
+    """Publish `tensors` as the one-file entry `path` (staged whole, then renamed), with a manifest of `info`, the
+    entry's `identity` and the file's sha256, which `verified_or_built` checks; returns the manifest."""
     with staging_dir(path) as tmp:
         save_file(tensors, str(tmp / file))
-        manifest = {**info, "shards": [{"file": file, "sha256": sha256_file(tmp / file)}]}
+        recorded = {IDENTITY: identity.fields} if identity is not None else {}
+        manifest = {**info, **recorded, "shards": [{"file": file, "sha256": sha256_file(tmp / file)}]}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
-def verified_or_built(path: Path, build: Callable[[], dict]) -> tuple[dict, bool]:
-    """The entry's manifest and whether it was there (verified), else `build()`'s, built under the entry's lock."""
-    manifest = _verify(path)
+def verified_or_built(path: Path, build: Callable[[], dict], identity: Identity) -> tuple[dict, bool]:
+    """The entry's manifest and whether it was there (whole, and the entry `identity` names), else `build()`'s,
+    built under the entry's lock. An entry there that fails a check is rebuilt; one line says why."""
+    manifest, _ = _check(path, identity)
     if manifest is not None:
         return manifest, True
     with file_lock(path.with_suffix(".lock")):
-        manifest = _verify(path)  # another process may have built it while we waited
-        return (manifest, True) if manifest is not None else (build(), False)
+        manifest, wrong = _check(path, identity)  # another process may have built it while we waited
+        if manifest is not None:
+            return manifest, True
+        if wrong is not None:
+            print(f"{wrong}; rebuilding it")
+        return build(), False
 
 
 def _read(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
@@ -117,12 +141,11 @@ def build_or_load(
     progress: bool = True,
 ) -> HiddenStates:
     """Captured states for the sequences; runs the target only if the cache entry is absent."""
-    key = cache_key(target, dcfg, aux_layers)
-    path = Path(cache_dir) / "hidden" / key
+    identity = hidden_identity(target, dcfg, aux_layers)
+    path = Path(cache_dir) / "hidden" / identity.key()
     started = time.time()
-    manifest, hit = verified_or_built(
-        path, functools.partial(_build, target, sequences, aux_layers, path, key, batch_size, progress)
-    )
+    build = functools.partial(_build, target, sequences, aux_layers, path, identity, batch_size, progress)
+    manifest, hit = verified_or_built(path, build, identity)
     stored = _read(path, manifest)
     ids = stored["input_ids"].long()
     if not torch.equal(ids, sequences.input_ids) or not torch.equal(stored["loss_mask"], sequences.loss_mask):
@@ -143,11 +166,11 @@ def capture_batch(model, batch: torch.Tensor, aux_layers: list[int]) -> Captured
     return capture(model, batch, aux_layers, dtype=STORE_DTYPE)
 
 
-def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> dict:
+def _build(target, sequences, aux_layers, path, identity: Identity, batch_size, progress) -> dict:
     """Capture shard by shard into `{key}.partial/` (each shard written whole or not at all), then publish the
     entry: an interrupted build resumes from the shards it finished."""
     partial = path.parent / f"{path.name}.partial"
-    partial.mkdir(parents=True, exist_ok=True)
+    _start_partial(partial, identity)
     shards = []
     started = time.time()
     bar = tqdm(total=len(sequences), desc="hidden-state cache", unit="seq", disable=not progress)
@@ -184,13 +207,14 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
         )
     bar.close()
     manifest = {
-        "key": key,
+        "key": path.name,
         "format": FORMAT,
         "target": target.fingerprint,
         "aux_layers": list(aux_layers),
         "num_sequences": len(sequences),
         "seq_len": sequences.input_ids.shape[1],
         "dtype": str(STORE_DTYPE),
+        IDENTITY: identity.fields,
         "shards": shards,
         "build_seconds": time.time() - started,
     }
@@ -203,6 +227,18 @@ def _build(target, sequences, aux_layers, path, key, batch_size, progress) -> di
     return manifest
 
 
+def _start_partial(partial: Path, identity: Identity) -> None:
+    """Make `partial` a folder of this entry's shards only: one that a build of another identity left (copied or
+    moved here) starts over. Its manifest records the identity before the first shard is captured."""
+    wrong = identity.mismatch(read_manifest(partial, MANIFEST))
+    if wrong is not None:
+        print(f"cache entry {entry_name(partial)}: {wrong}; capturing its shards again")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    with atomic_file(partial / MANIFEST) as tmp:
+        tmp.write_text(json.dumps({IDENTITY: identity.fields, "shards": []}, indent=1))
+
+
 def _finished_shard(file: Path, chunk: torch.Tensor) -> bool:
     """Whether an interrupted build left this shard whole, for these sequences."""
     if not file.is_file():
@@ -212,6 +248,19 @@ def _finished_shard(file: Path, chunk: torch.Tensor) -> bool:
             return torch.equal(f.get_tensor("input_ids").long(), chunk.long())
     except (SafetensorError, OSError):
         return False
+
+
+def heldout_identity(target: Target, ids: torch.Tensor, aux_layers: list[int]) -> Identity:
+    return Identity(
+        {
+            "target": target.fingerprint,
+            "dtype": str(target.lm_head_weight.dtype),
+            "ids": hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest(),
+            "shape": list(ids.shape),
+            "aux": list(aux_layers),
+            "format": HELDOUT_FORMAT,
+        }
+    )
 
 
 @dataclass
@@ -230,23 +279,13 @@ def heldout_states(
     target: Target, heldout: Sequences, aux_layers: list[int], cache_dir: str | Path, batch_size: int = 16
 ) -> HeldoutStates:
     """The held-out sequences' captured states and target argmax, from the cache or captured once (under a
-    lock, published whole; an entry whose file no longer matches its manifest hash is captured again)."""
-    dtype = target.lm_head_weight.dtype
+    lock, published whole; an entry whose file no longer matches its manifest hash, or that records another
+    identity, is captured again)."""
     ids = heldout.input_ids
-    key = short_hash(
-        {
-            "target": target.fingerprint,
-            "dtype": str(dtype),
-            "ids": hashlib.sha256(ids.to(torch.int64).numpy().tobytes()).hexdigest(),
-            "shape": list(ids.shape),
-            "aux": list(aux_layers),
-            "format": HELDOUT_FORMAT,
-        }
-    )
-    path = Path(cache_dir) / "heldout" / key
-    _, hit = verified_or_built(
-        path, functools.partial(_capture_heldout, target, ids, aux_layers, path, key, batch_size)
-    )
+    identity = heldout_identity(target, ids, aux_layers)
+    path = Path(cache_dir) / "heldout" / identity.key()
+    build = functools.partial(_capture_heldout, target, ids, aux_layers, path, identity, batch_size)
+    _, hit = verified_or_built(path, build, identity)
     stored = load_file(str(path / "states.safetensors"))
     if not torch.equal(stored["input_ids"].long(), ids):
         raise RuntimeError(f"held-out cache {path}: stored tokens differ from the held-out sequences")
@@ -267,7 +306,7 @@ def capture_heldout(
 
 
 def _capture_heldout(
-    target: Target, ids: torch.Tensor, aux_layers: list[int], path: Path, key: str, batch_size: int
+    target: Target, ids: torch.Tensor, aux_layers: list[int], path: Path, identity: Identity, batch_size: int
 ) -> dict:
     aux, top = capture_heldout(target, ids, aux_layers, batch_size)
     tensors = {"input_ids": ids.to(torch.int32).contiguous(), "aux": aux.cpu(), "top": top.to(torch.int32).cpu()}
@@ -275,7 +314,8 @@ def _capture_heldout(
         path,
         "states.safetensors",
         tensors,
-        key=key,
+        identity,
+        key=path.name,
         format=HELDOUT_FORMAT,
         target=target.fingerprint,
         aux_layers=list(aux_layers),
@@ -287,21 +327,23 @@ def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> t
     """data=code's (train, held-out) sequences (lab/data/code_data.py `training_sequences`), chosen once and kept in
     `{cache_dir}/sequences/{key}/`: choosing them renders and encodes every conversation of the corpus split,
     seconds of every run of a study for the same result. The key hashes the
-    target's fingerprint, the data config and the corpus; an entry that no longer matches its manifest hash is
-    chosen again."""
-    spec = {
-        "target": target.fingerprint,
-        "data": OmegaConf.to_container(dcfg, enum_to_str=True),
-        "corpus": corpus.manifest_hash(corpus.select(dcfg.corpus_bytes)),
-    }
-    path = Path(cache_dir) / "sequences" / short_hash(spec)
+    target's fingerprint, the data config and the corpus; an entry that no longer matches its manifest hash, or
+    records another identity, is chosen again."""
+    identity = Identity(
+        {
+            "target": target.fingerprint,
+            "data": OmegaConf.to_container(dcfg, enum_to_str=True),
+            "corpus": corpus.manifest_hash(corpus.select(dcfg.corpus_bytes)),
+        }
+    )
+    path = Path(cache_dir) / "sequences" / identity.key()
 
     def choose() -> dict:
         train, heldout = training_sequences(target.tokenizer, dcfg)
         tensors = {"train_ids": train.input_ids, "train_mask": train.loss_mask}
         tensors.update(heldout_ids=heldout.input_ids, heldout_mask=heldout.loss_mask)
-        return publish_tensors(path, "sequences.safetensors", tensors)
+        return publish_tensors(path, "sequences.safetensors", tensors, identity)
 
-    verified_or_built(path, choose)
+    verified_or_built(path, choose, identity)
     t = load_file(str(path / "sequences.safetensors"))
     return Sequences(t["train_ids"], t["train_mask"]), Sequences(t["heldout_ids"], t["heldout_mask"])

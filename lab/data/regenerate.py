@@ -24,8 +24,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from lab.config import ConfigError
 from lab.data.conversations import Conversation
-from lab.fsutil import atomic_file, file_lock, read_manifest, sha256_file, short_hash
+from lab.fsutil import IDENTITY, Identity, atomic_file, entry_name, file_lock, read_manifest, sha256_file, short_hash
 from lab.target.generate import Greedy, open_generator, resolve_backend, resolve_dtype
 
 FORMAT = 2  # 2: parts named by their chunk's conversations, so selections share them
@@ -58,7 +59,7 @@ def conversations_hash(conversations: list[Conversation]) -> str:
     return short_hash([[c.id, list(c.messages)] for c in conversations], n=32)
 
 
-def cache_key(
+def regen_identity(
     target: Any,
     chat: Any,
     max_new_tokens: int,
@@ -66,8 +67,8 @@ def cache_key(
     backend: str,
     dtype: str,
     chunk_size: int,
-) -> str:
-    return short_hash(
+) -> Identity:
+    return Identity(
         {
             "target": target.fingerprint,
             "chat": chat_identity(chat),
@@ -79,6 +80,12 @@ def cache_key(
             "format": FORMAT,
         }
     )
+
+
+def cache_key(
+    target: Any, chat: Any, max_new_tokens: int, seq_len: int, backend: str, dtype: str, chunk_size: int
+) -> str:
+    return regen_identity(target, chat, max_new_tokens, seq_len, backend, dtype, chunk_size).key()
 
 
 def regenerate(
@@ -114,7 +121,9 @@ def regenerate(
     `chunk_size` conversations, named by the hash of its chunk's conversations and recorded with its sha256 in
     the manifest (checked on every load) and the seconds since the part before it. The part and then the
     manifest each go through a temp name, flushed and renamed, so a full disk or a kill leaves whole files
-    only, and a part the manifest does not name yet is generated again. The key hashes the target, the chat
+    only, and a part the manifest does not name yet is generated again. The manifest records what the key
+    hashes (the entry's `Identity`); an entry that records another (copied or moved under this key) is refused
+    in one line naming the field, never read nor regenerated over. The key hashes the target, the chat
     template, the generation settings and the backend (vLLM's bf16 and transformers' fp32 greedy answers
     differ). A selection is a seeded order cut at a count, so a larger selection starts with the smaller one's
     chunks; one whose chunks are all there is a hit that never runs the target. A file lock keeps two
@@ -125,8 +134,8 @@ def regenerate(
     conversations = list(conversations)
     backend = resolve_backend(backend)
     gen_dtype = resolve_dtype(dtype) if backend == "vllm" else str(target.model.dtype).removeprefix("torch.")
-    key = cache_key(target, chat, max_new_tokens, seq_len, backend, gen_dtype, chunk_size)
-    path = Path(cache_dir) / "regen" / key
+    identity = regen_identity(target, chat, max_new_tokens, seq_len, backend, gen_dtype, chunk_size)
+    path = Path(cache_dir) / "regen" / identity.key()
     edges = sorted({0, len(conversations), *splits})
     chunks = [
         conversations[i : min(i + chunk_size, end)]
@@ -137,15 +146,15 @@ def regenerate(
     started = time.time()
     run = {"generated_tokens": 0, "generation_seconds": 0.0, "chunks_generated": 0}
 
-    manifest = _verified(path)
+    manifest = _verified(path, identity)
     hit = _complete(manifest, names)
     if not hit:
         with file_lock(path.with_suffix(".lock")):
-            manifest = _verified(path)  # another process may have finished (some of) it while we waited
+            manifest = _verified(path, identity)  # another process may have finished (some of) it while we waited
             hit = _complete(manifest, names)
             if not hit:
                 manifest = _build(
-                    target, chunks, names, chat, path, key, manifest, run, max_new_tokens, seq_len, backend,
+                    target, chunks, names, chat, path, identity, manifest, run, max_new_tokens, seq_len, backend,
                     gen_dtype, threads, progress, pool=chunk_size, kv_cache=kv_cache,
                 )  # fmt: skip
     parts = [manifest["parts"][name] for name in names]
@@ -179,11 +188,19 @@ def _part_name(chunk: list[Conversation]) -> str:
     return f"part_{conversations_hash(chunk)[:16]}.jsonl"
 
 
-def _verified(path: Path) -> dict | None:
-    """The manifest with only the parts whose files match their recorded hash (the rest are redone)."""
+def _verified(path: Path, identity: Identity | None = None) -> dict | None:
+    """The manifest with only the parts whose files match their recorded hash (the rest are redone). An entry
+    that records another identity than `identity` is refused (ConfigError): its parts are whole generations for
+    its own key, the costliest entry of a cache, and regenerating over them would throw them away."""
     manifest = read_manifest(path, MANIFEST)
     if manifest is None:
         return None
+    wrong = identity.mismatch(manifest) if identity is not None else None
+    if wrong is not None:
+        own = f"regen/{Identity(manifest[IDENTITY]).key()}"
+        raise ConfigError(
+            "cache_dir", f"cache entry {entry_name(path)}: {wrong}; it belongs at {own}: move it there or delete it"
+        )
     good = {}
     for name, part in manifest.get("parts", {}).items():
         if (path / name).is_file() and sha256_file(path / name) == part["sha256"]:
@@ -203,18 +220,19 @@ def _read_part(path: Path, part: dict) -> list[dict]:
 
 
 def _build(
-    target, chunks, names, chat, path, key, manifest, run, max_new_tokens, seq_len, backend, dtype, threads, progress,
-    pool, kv_cache,
+    target, chunks, names, chat, path, identity, manifest, run, max_new_tokens, seq_len, backend, dtype, threads,
+    progress, pool, kv_cache,
 ) -> dict:  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     manifest = manifest or {
-        "key": key,
+        "key": path.name,
         "format": FORMAT,
         "target": target.fingerprint,
         "backend": backend,
         "dtype": dtype,
         "max_new_tokens": max_new_tokens,
         "seq_len": seq_len,
+        IDENTITY: identity.fields,
         "parts": {},
     }
     todo = [i for i, name in enumerate(names) if name not in manifest["parts"]]

@@ -2,7 +2,9 @@
 DeepSeek-V3 (`deepseek_v3`: MLA attention, routed and shared experts) trained on the corpus.
 
 The result is a plain Hugging Face model directory (`save_pretrained`, tokenizer included) cached
-under a key that hashes the target config and the corpus manifest, so it is built once per machine.
+under a key that hashes the target config and the corpus manifest, so it is built once per machine. Its
+`build.json` records what the key hashes (its `Identity`): a folder found under another key (copied or moved
+there) is built again.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from lab.fsutil import file_lock, short_hash, staging_dir
+from lab.fsutil import IDENTITY, Identity, built_entry, file_lock, staging_dir
 from lab.schedule import warmup_cosine
 from lab.target import chat, corpus
 
@@ -64,11 +66,15 @@ def _arch(tcfg: DictConfig) -> str:
     return str(getattr(arch, "value", arch))
 
 
-def target_key(tcfg: DictConfig, files: list[corpus.CorpusFile]) -> str:
+def target_identity(tcfg: DictConfig, files: list[corpus.CorpusFile]) -> Identity:
     spec = {k: OmegaConf.select(tcfg, k) for k in _ARCH_KEYS}
     if _arch(tcfg) != "llama":
         spec.update({k: OmegaConf.select(tcfg, k) for k in _DEEPSEEK_KEYS}, arch=_arch(tcfg))
-    return short_hash({"spec": spec, "corpus": corpus.manifest_hash(files), "format": 2})
+    return Identity({"spec": spec, "corpus": corpus.manifest_hash(files), "format": 2})
+
+
+def target_key(tcfg: DictConfig, files: list[corpus.CorpusFile]) -> str:
+    return target_identity(tcfg, files).key()
 
 
 def target_dir(tcfg: DictConfig, cache_dir: str | Path) -> Path:
@@ -204,13 +210,15 @@ def validation_loss(model, stream: torch.Tensor, seq_len: int, max_windows: int 
 
 
 def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Path:
-    """Return the cached target dir, training it first if needed (waits if another process is)."""
+    """Return the cached target dir, training it first if needed (waits if another process is); a folder there
+    that records another identity is trained again."""
     files = corpus.select(tcfg.corpus_bytes)
-    final = Path(cache_dir) / "targets" / f"{tcfg.name}-{target_key(tcfg, files)}"
-    if (final / BUILD_INFO).is_file():
+    identity = target_identity(tcfg, files)
+    final = Path(cache_dir) / "targets" / f"{tcfg.name}-{identity.key()}"
+    if built_entry(final, BUILD_INFO, identity):
         return final
     with file_lock(final.with_suffix(".lock")):
-        if (final / BUILD_INFO).is_file():
+        if built_entry(final, BUILD_INFO, identity, rebuilding=True):
             return final
         started = time.time()
         torch.manual_seed(tcfg.seed)
@@ -246,6 +254,7 @@ def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Pat
             info = {
                 "name": tcfg.name,
                 "key": final.name,
+                IDENTITY: identity.fields,
                 "config": OmegaConf.to_container(tcfg, enum_to_str=True),
                 "val_loss": val_loss,
                 "train_loss_ema": loss_ema,

@@ -3,8 +3,9 @@ into a plain Hugging Face folder: float32 safetensors, tokenizer and chat templa
 
 transformers de-quantizes the GGUF when it loads it (it needs the `gguf` and `accelerate` packages); its
 `save_pretrained` refuses a model that still carries the GGUF quantization config, so that config is
-dropped first. The folder is keyed by the GGUF's sha256 and loads as a plain `LlamaForCausalLM`, in
-transformers and in vLLM alike.
+dropped first. The folder is keyed by the GGUF's sha256, which its `build.json` records whole (the entry's
+`Identity`: a folder found under another GGUF's key is converted again), and loads as a plain
+`LlamaForCausalLM`, in transformers and in vLLM alike.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 
 from lab.assets import asset_file, check_gguf_file
 from lab.config import ConfigError
-from lab.fsutil import file_lock, sha256_file, staging_dir
+from lab.fsutil import IDENTITY, Identity, built_entry, file_lock, sha256_file, staging_dir
 
 BUILD_INFO = "build.json"
 # the declared shape of a gguf target (configs/target/*.yaml) against the converted config.json
@@ -47,16 +48,17 @@ def convert(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> P
     """The cached folder `{cache_dir}/targets/{name}-{sha12}` (its model in `model/`), converted on first use."""
     source = gguf_file(tcfg, cache_dir)  # a broken file fails here, before a cache folder or lock exists
     digest = sha256_file(source)
+    identity = Identity({"sha256": digest})  # the key is its first 12 digits, not a hash of the identity
     final = Path(cache_dir) / "targets" / f"{tcfg.name}-{digest[:12]}"
-    if not (final / BUILD_INFO).is_file():
+    if not built_entry(final, BUILD_INFO, identity):
         with file_lock(final.with_suffix(".lock")):
-            if not (final / BUILD_INFO).is_file():
-                _convert(source, digest, final, progress)
+            if not built_entry(final, BUILD_INFO, identity, rebuilding=True):
+                _convert(source, identity, final, progress)
     check_shape(tcfg, json.loads((final / "model" / "config.json").read_text()))
     return final
 
 
-def _convert(source: Path, digest: str, final: Path, progress: bool) -> None:
+def _convert(source: Path, identity: Identity, final: Path, progress: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -77,7 +79,13 @@ def _convert(source: Path, digest: str, final: Path, progress: bool) -> None:
     with staging_dir(final) as tmp:
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
-        info = {"source": str(source), "sha256": digest, "seconds": time.time() - started, "dtype": "float32"}
+        info = {
+            "source": str(source),
+            "sha256": identity.fields["sha256"],
+            IDENTITY: identity.fields,
+            "seconds": time.time() - started,
+            "dtype": "float32",
+        }
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=1))
     if progress:
         print(f"target: converted {source.name} in {time.time() - started:.0f}s -> {final}")
