@@ -40,9 +40,9 @@ def main() -> None:
     def trained(checkpointing: bool) -> tuple[float, dict[str, torch.Tensor]]:
         drafter = init_drafter(target, cfg.drafter, layers, cfg.seed)
         with tempfile.TemporaryDirectory() as tmp:
-            ckpt = resume.Checkpointing(Path(tmp) / "ckpt", every) if checkpointing else None
+            writer = resume.ResumeWriter(Path(tmp) / "resume", every) if checkpointing else None
             start = time.perf_counter()
-            train(drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, progress=False, checkpoint=ckpt)
+            train(drafter, hidden, target.lm_head_weight, cfg.train, cfg.seed, progress=False, resume_writer=writer)
             return time.perf_counter() - start, drafter.state_dict()
 
     seconds = {False: 0.0, True: 0.0}

@@ -35,11 +35,11 @@ from lab.data.answers import compute_answers, greedy_answers
 from lab.drafter import init_drafter
 from lab.eval import reference
 from lab.eval import replay as replay_module
-from lab.eval.evaluate import evaluate_suite_prompts, timed_prompts
+from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import prefill, speculative_decode
 from lab.eval.replay import replay
-from lab.pipeline import _prepare, set_threads
+from lab.pipeline import StageClock, _prepare, set_threads
 from lab.train.ttt import train
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     extra = [f"train.steps={args.train_steps}"] if args.train_steps else []
     cfg = compose([*args.overrides, *extra, "eval.decoder=sequential"])  # the answers are timed here
     set_threads(cfg)
-    prepared = _prepare(cfg, progress=False, stage=lambda _: None, reuse=False)
+    prepared = _prepare(cfg, progress=False, clock=StageClock(), reuse=False)
     target, layers, e = prepared.target, prepared.layers, cfg.eval
     drafter = init_drafter(target, cfg.drafter, layers, seed=cfg.seed)
     train(drafter, prepared.hidden, target.lm_head_weight, cfg.train, seed=cfg.seed, progress=False)
@@ -64,17 +64,19 @@ def main() -> None:
           f"| rounds equal | AL k{max(ks)}, replay (decoder) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     totals = [0.0, 0.0, 0.0, 0.0]
+    # greedy (the config's temperature aside): the replay compares with the greedy answers
+    options = EvalOptions(ks, e.probes, e.n_sink, seed=cfg.seed, timed_prompts=e.timed_prompts)
     for suite in prepared.suites:
-        kwargs = dict(progress=False, probes=e.probes, n_sink=e.n_sink, seed=cfg.seed)
         started = time.perf_counter()
-        sequential = None if args.replay_only else evaluate_suite_prompts(target.model, drafter, suite, ks, **kwargs)
+        sequential = None
+        if not args.replay_only:
+            sequential = evaluate_suite_prompts(target.model, drafter, suite, options, progress=False)
         seq_s = time.perf_counter() - started
         started = time.perf_counter()
         answers = compute_answers(target, suite.prompts, suite.max_new_tokens + max(ks), suite.stop_ids, layers)
         answers_s = time.perf_counter() - started
         started = time.perf_counter()
-        timed = timed_prompts(len(suite.prompts), e.timed_prompts)
-        replayed = evaluate_suite_prompts(target.model, drafter, suite, ks, **kwargs, answers=answers, timed=timed)
+        replayed = evaluate_suite_prompts(target.model, drafter, suite, options, answers=answers, progress=False)
         replay_s = time.perf_counter() - started
         started = time.perf_counter()
         replay(drafter, answers, ks, suite.max_new_tokens, suite.stop_ids, e.n_sink, e.probes)

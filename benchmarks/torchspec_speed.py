@@ -1,33 +1,20 @@
 """Drafter training speed: the native backend against TorchSpec's model code (`train.backend=torchspec`),
-on the same shapes, the same batches, the same precision (float32) and the same machine, side by side.
+on the same shapes, batches, precision (float32) and machine, side by side.
 
-Both run the full training step of our loop (TTT forward over `train.ttt_length` steps, loss,
-backward, gradient clipping, AdamW) on batches shaped like the configured training data (the drafter
-shaped after the configured target: width, heads, MLP, vocabulary, captured layers). The values are
-random (speed does not depend on them), and the loss covers a share of the positions as the
-assistant's tokens do in chat data (`--loss-share`, scattered at random: the native backend skips
-work at positions no loss reads, and scattered positions leave it the least to skip). TorchSpec
-compiles its loss on first use, so both backends warm up first; then the backends alternate in
-rounds, so that machine noise hits both alike, and the ratio is reported per round and as the median,
-by wall clock (tokens/s) and by the process's CPU time (tokens per CPU second, which time spent
-waiting for a busy core does not count).
-
-Then each backend trains in a fresh process of its own, to report the peak resident memory of one
-training step: the process's VmHWM over that step, after warm-up (Linux's /proc/self/clear_refs resets
-it after warm-up), and its rise over the resident memory just before the step (what the step itself
-needs; the rest is the interpreter, the libraries, the batches and the drafter).
+Both run our loop's full training step (TTT forward, loss, backward, clipping, AdamW) on random batches shaped
+like the configured data, with the loss over a scattered share of positions (`--loss-share`: the native backend
+skips positions no loss reads, and scattered ones leave it the least to skip). After a warm-up (TorchSpec
+compiles its loss on first use) the backends alternate in rounds so that machine noise hits both alike; the
+ratio is per round and the median, by wall clock and per CPU second. Then each backend trains in a fresh
+process for the peak resident memory of one step (VmHWM, reset after warm-up through /proc/self/clear_refs).
 
     .venv/bin/python benchmarks/torchspec_speed.py [--shape tiny|smollm2|smollm2-full|config]
         [--rounds 5] [--steps 10] [--no-memory] [hydra overrides...]
 
-`--shape` picks the configuration (default `tiny`): `tiny` is the tiny code target (`target=tiny_code
-data=code`: hidden 256, vocabulary 4,096, batches of 8 x 128 tokens), `smollm2` SmolLM2-135M on ShareGPT
-(`target=smollm2 data=sharegpt`: hidden 576, vocabulary 49,152, the pruned draft vocabulary of 16,384,
-batches of 8 x 512 tokens), `smollm2-full` the same with the full vocabulary
-(`drafter.draft_vocab_size=null`), `config` the configured run as the overrides alone compose it.
-Overrides apply on top of the shape (one naming a key of the shape replaces it), e.g. `threads=1`, or
-`attention=mla drafter.q_lora_rank=64` for an MLA drafter (TorchSpec's `Eagle3DeepseekV2ForCausalLM`).
-SmolLM2's shape needs only its config: its converted folder is built on first use.
+`--shape` (default `tiny`): `tiny` is `target=tiny_code data=code`, `smollm2` is `target=smollm2 data=sharegpt`
+(the pruned draft vocabulary of 16,384), `smollm2-full` adds `drafter.draft_vocab_size=null`, `config` takes the
+overrides alone. Overrides apply on top of the shape, e.g. `threads=1`, or `attention=mla drafter.q_lora_rank=64`
+for an MLA drafter (TorchSpec's `Eagle3DeepseekV2ForCausalLM`).
 
 Needs TorchSpec (see docs/torchspec.md); without it, it prints how to install it and exits 2.
 """

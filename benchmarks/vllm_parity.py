@@ -21,7 +21,7 @@ from lab.config.composition import compose
 from lab.data.suites import build_suite
 from lab.drafter import load_checkpoint
 from lab.eval import vllm_backend
-from lab.eval.evaluate import evaluate_suite_prompts
+from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts
 from lab.pipeline import set_threads, thread_count
 from lab.target import load
 
@@ -52,7 +52,7 @@ def main() -> None:
         t0 = time.time()
         ref = {}
         for suite in suites:
-            ref.update(evaluate_suite_prompts(target.model, drafter, suite, ks, progress=False).metrics)
+            ref.update(evaluate_suite_prompts(target.model, drafter, suite, EvalOptions(ks), progress=False).metrics)
         t_ref = time.time() - t0
         t0 = time.time()
         vllm = vllm_backend.evaluate(

@@ -33,16 +33,17 @@ from lab.config import ConfigError, DataSource, Decoder, rollout_depth
 from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
 from lab.config.shape import aux_layers
 from lab.data.answers import Answers, suite_answers
-from lab.data.cache import HeldoutStates, build_or_load, code_sequences, heldout_states
+from lab.data.cache import HeldoutStates, HiddenStates, build_or_load, code_sequences, heldout_states
 from lab.data.chat_data import chat_data
 from lab.data.chat_suites import ChatSuiteInputs
+from lab.data.code_data import Sequences
 from lab.data.regenerate import regenerate
-from lab.data.suites import build_suite
+from lab.data.suites import Suite, build_suite
 from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
-from lab.eval.evaluate import evaluate_suite_prompts, heldout_evaluation, timed_prompts
+from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts, heldout_evaluation
 from lab.fsutil import claim
 from lab.target import Target
 from lab.target import load as load_target
@@ -57,7 +58,8 @@ class RunHooks:
     """What a caller (a sweep) hears during a run. `on_train_metrics` may raise `track.RunStopped` to end
     the run early (pruning)."""
 
-    # target, data, drafter|cache, suites, train, eval SUITE, rollout
+    # each stage as it starts: target, drafter, data, cache, heldout, suites, answers, train, eval SUITE, eval vllm,
+    # rollout
     on_stage: Callable[[str], None] = lambda stage: None
     on_start: Callable[[str], None] = lambda run_id: None  # the MLflow run id, once the run exists
     on_train_metrics: Callable[[dict[str, float], int], None] = lambda metrics, step: None
@@ -83,102 +85,140 @@ def set_threads(cfg: DictConfig) -> None:
     torch.set_num_threads(thread_count(cfg))
 
 
+class StageClock:
+    """A run's stages, one after another: each is announced to `on_stage` as it starts and its seconds are
+    recorded in `seconds` as it ends (the run's `time/{stage}_s`); a stage that fails records none."""
+
+    def __init__(self, on_stage: Callable[[str], None] = lambda stage: None) -> None:
+        self.on_stage = on_stage
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str, heard_as: str | None = None) -> Iterator[None]:
+        """Time the block as stage `name`; `on_stage` hears `heard_as` (default: `name`) as it starts."""
+        with self.timed(name):
+            self.on_stage(name if heard_as is None else heard_as)
+            yield
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Time the block as `name` unannounced: a span of stages that `on_stage` hears one by one."""
+        started = time.time()
+        yield
+        self.seconds[name] = time.time() - started
+
+
+@dataclass
+class Loaded:
+    """A drafter trained elsewhere (`drafter.checkpoint`), checked against the target and loaded."""
+
+    info: CheckpointInfo
+    drafter: Eagle3Drafter
+
+
+@dataclass
+class Reused:
+    """The drafter of a finished run that trained alike (`train.reuse`), and that run."""
+
+    run: track.TrainedRun
+    drafter: Eagle3Drafter
+
+
+@dataclass
+class TrainingData:
+    """The training and held-out sequences, what chat suites are built from (None for code data) and the
+    run's `data/...` metrics."""
+
+    train: Sequences
+    heldout: Sequences
+    suite_inputs: ChatSuiteInputs | None
+    stats: dict[str, float]
+
+
 @dataclass
 class Prepared:
-    """What a run has before its MLflow run starts: the target, the drafter to evaluate when one is loaded
-    (`source`), the training data and its cached hidden states, the suites. Everything here is cached on disk
-    and shared by every run of the same target and data."""
+    """What a run has before its MLflow run starts. Everything here is cached on disk and shared by every run of
+    the same target and data."""
 
     target: Target
-    source: tuple[CheckpointInfo, Eagle3Drafter] | None
-    train_tags: dict[str, str]  # a trained drafter's identity: `train_key` and the code behind it (none imported)
-    reused: tuple[track.TrainedRun, Eagle3Drafter] | None  # the drafter of a finished run that trained alike
+    layers: list[int]  # the target's captured layers the drafter reads (vLLM's ids)
     logged: DictConfig  # the config as logged (a loaded drafter's own shape)
-    layers: list[int]
-    heldout: Any  # held-out sequences, for the rollout
-    rollout_states: HeldoutStates  # the target's side of the rollout on them, cached
+    loaded: Loaded | None  # drafter.checkpoint's drafter
+    train_tags: dict[str, str]  # a trained drafter's identity: `train_key` and the code behind it (none loaded)
+    reused: Reused | None  # the drafter of a finished run that trained alike
     data_stats: dict[str, float]
-    hidden: Any  # the hidden-state cache; None when a drafter is loaded
-    suites: list
-    answers: dict[str, Answers]  # per suite, with eval.decoder=replay: the target's greedy answers, cached
-    seconds: dict[str, float]
+    hidden: HiddenStates | None  # the hidden-state cache, to train on; None when a drafter is loaded or reused
+    heldout: Sequences  # held-out sequences, for the rollout
+    rollout_states: HeldoutStates  # the target's side of the rollout on them
+    suites: list[Suite]
+    answers: dict[str, Answers]  # per suite, with eval.decoder=replay: the target's greedy answers
+
+    @property
+    def trains(self) -> bool:
+        """Whether the run trains its drafter (none is loaded or reused)."""
+        return self.loaded is None and self.reused is None
 
 
-def _prepare(cfg: DictConfig, progress: bool, stage: Callable[[str], None], reuse: bool = True) -> Prepared:
+def _prepare(cfg: DictConfig, progress: bool, clock: StageClock, reuse: bool = True) -> Prepared:
     """The stages before the MLflow run: target, drafter checkpoint (imported, or with `reuse` one trained
-    alike) or hidden-state cache, data, suites. Bad input fails here, before any run is recorded."""
-    seconds: dict[str, float] = {}
-    t0 = time.time()
-    stage("target")
-    target = load_target(cfg, progress=progress)
-    seconds["target"] = time.time() - t0
-    source: tuple[CheckpointInfo, Eagle3Drafter] | None = None
+    alike) or hidden-state cache, data, suites, answers. Bad input fails here, before any run is recorded."""
+    with clock.stage("target"):
+        target = load_target(cfg, progress=progress)
+    loaded, train_tags, reused = None, {}, None
     if cfg.drafter.checkpoint:
-        t0 = time.time()
-        stage("drafter")
-        source = _load_checkpoint(cfg, target)
-        seconds["drafter"] = time.time() - t0
-        logged = _as_loaded(cfg, source[0])
-        layers = list(source[1].spec.aux_layer_ids)
+        with clock.stage("drafter"):
+            loaded = _load_checkpoint(cfg, target)
+        logged, layers = _as_loaded(cfg, loaded.info), list(loaded.drafter.spec.aux_layer_ids)
     else:
-        logged = cfg
-        layers = aux_layers(cfg)
-    train_tags, reused = {}, None
-    if source is None:
+        logged, layers = cfg, aux_layers(cfg)
         external = torchspec_backend.provenance() if cfg.train.backend == "torchspec" else {}
         train_tags = {"train_key": resume.drafter_key(cfg, target.fingerprint, layers, external), **external}
         if reuse and cfg.train.reuse:
-            t0 = time.time()
-            stage("drafter")
-            reused = _trained_alike(cfg, target, train_tags["train_key"], layers)
-            seconds["drafter"] = time.time() - t0
-    t0 = time.time()
-    stage("data")
-    train_seqs, heldout, chat_inputs, data_stats = _training_data(cfg, target, progress)
-    seconds["data"] = time.time() - t0
+            with clock.stage("drafter"):
+                reused = _trained_alike(cfg, target, train_tags["train_key"], layers)
+    with clock.stage("data"):
+        data = _training_data(cfg, target, progress)
     hidden = None
-    if source is None and reused is None:
-        t0 = time.time()
-        stage("cache")
-        hidden = build_or_load(target, train_seqs, cfg.data, layers, cfg.cache_dir, progress=progress)
-        seconds["cache"] = time.time() - t0
-    t0 = time.time()
-    stage("heldout")
-    rollout_states = heldout_states(target, heldout, layers, cfg.cache_dir)
-    seconds["heldout"] = time.time() - t0
-    t0 = time.time()
-    stage("suites")
-    suites = [build_suite(name, target.tokenizer, cfg, chat_inputs) for name in cfg.eval.suites]
-    seconds["suites"] = time.time() - t0
+    if loaded is None and reused is None:
+        with clock.stage("cache"):
+            hidden = build_or_load(target, data.train, cfg.data, layers, cfg.cache_dir, progress=progress)
+    with clock.stage("heldout"):
+        rollout_states = heldout_states(target, data.heldout, layers, cfg.cache_dir)
+    with clock.stage("suites"):
+        suites = [build_suite(name, target.tokenizer, cfg, data.suite_inputs) for name in cfg.eval.suites]
     answers = {}
     if cfg.eval.decoder == Decoder.replay and "ref" in cfg.eval.backends:
-        t0 = time.time()
-        stage("answers")
-        for suite in suites:
-            if cfg.eval.timed_prompts > len(suite.prompts):
-                raise ConfigError(
-                    "eval.timed_prompts",
-                    f"expected at most the {len(suite.prompts)} prompts of suite '{suite.name}', got "
-                    f"{cfg.eval.timed_prompts}",
-                )
-            length = suite.max_new_tokens + max(cfg.eval.num_speculative_tokens)  # the last round verifies past it
-            answers[suite.name] = suite_answers(target, suite.prompts, length, suite.stop_ids, layers, cfg.cache_dir)
-        seconds["answers"] = time.time() - t0
+        with clock.stage("answers"):
+            answers = _suite_answers(cfg, target, suites, layers)
     return Prepared(
-        target,
-        source,
-        train_tags,
-        reused,
-        logged,
-        layers,
-        heldout,
-        rollout_states,
-        data_stats,
-        hidden,
-        suites,
-        answers,
-        seconds,
+        target=target,
+        layers=layers,
+        logged=logged,
+        loaded=loaded,
+        train_tags=train_tags,
+        reused=reused,
+        data_stats=data.stats,
+        hidden=hidden,
+        heldout=data.heldout,
+        rollout_states=rollout_states,
+        suites=suites,
+        answers=answers,
     )
+
+
+def _suite_answers(cfg: DictConfig, target: Target, suites: list[Suite], layers: list[int]) -> dict[str, Answers]:
+    """Each suite's greedy answers by the target, which `eval.decoder=replay` evaluates over (cached)."""
+    answers = {}
+    for suite in suites:
+        if cfg.eval.timed_prompts > len(suite.prompts):
+            raise ConfigError(
+                "eval.timed_prompts",
+                f"expected at most the {len(suite.prompts)} prompts of suite '{suite.name}', got "
+                f"{cfg.eval.timed_prompts}",
+            )
+        length = suite.max_new_tokens + max(cfg.eval.num_speculative_tokens)  # the last round verifies past it
+        answers[suite.name] = suite_answers(target, suite.prompts, length, suite.stop_ids, layers, cfg.cache_dir)
+    return answers
 
 
 def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
@@ -187,7 +227,9 @@ def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
     calls it before they start, so its first cache is not built on one worker's share of the cores while
     the others wait for it."""
     set_threads(cfg)
-    return _prepare(cfg, progress, lambda stage: None, reuse=False).seconds
+    clock = StageClock()
+    _prepare(cfg, progress, clock, reuse=False)
+    return clock.seconds
 
 
 def run(
@@ -199,13 +241,36 @@ def run(
 ) -> RunResult:
     """One run, logged as an MLflow run (nested under `parent_run_id`) carrying `tags` too."""
     hooks = hooks or RunHooks()
-    stage = hooks.on_stage
+    clock = StageClock(hooks.on_stage)
     set_threads(cfg)
-    prepared = _prepare(cfg, progress, stage)
-    target, source, logged, layers = prepared.target, prepared.source, prepared.logged, prepared.layers
-    hidden, suites, seconds = prepared.hidden, prepared.suites, prepared.seconds
+    prepared = _prepare(cfg, progress, clock)
+    arm = arm_name(prepared.logged)
+    run_tags = _run_tags(cfg, prepared, arm, tags or {})
+    resume_dir = None
+    if prepared.trains and cfg.train.resume_every > 0:
+        resume_dir = resume.state_dir(cfg, prepared.target.fingerprint, prepared.layers)
+    t = cfg.tracking
+    with (
+        _held_resume_dir(resume_dir) as resume_dir,
+        track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", run_tags, parent_run_id) as mlrun,
+        _records_error(mlrun),
+    ):
+        hooks.on_start(mlrun.id)
+        _log_params(mlrun, prepared)
+        metrics: dict[str, float | list[float]] = _log_setup_metrics(mlrun, prepared)
+        trained = _drafter(cfg, mlrun, prepared, resume_dir, hooks, clock, progress)
+        metrics.update(trained.metrics)
+        if t.log_checkpoint:  # an imported drafter too, in our format: `lab export RUN_ID` works alike
+            with tempfile.TemporaryDirectory() as tmp:
+                mlrun.log_artifacts(save_native(trained.drafter, Path(tmp) / "checkpoint"), "checkpoint")
+        metrics.update(_evaluate(cfg, mlrun, prepared, trained.drafter, clock, progress))
+        return RunResult(mlrun.id, metrics, clock.seconds)
 
-    arm = arm_name(logged)
+
+def _run_tags(cfg: DictConfig, prepared: Prepared, arm: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """The run's tags: what it is (study, arm, seed, code, config hash, target), the caller's `extra`, and where
+    its drafter comes from (a checkpoint, a trained drafter's `train_key`, the run that trained it)."""
+    target = prepared.target
     tags = {
         "study": cfg.study,
         "arm": arm,
@@ -215,97 +280,121 @@ def run(
         "config_hash_scheme": CONFIG_HASH_SCHEME,
         "target": target.fingerprint,
         "target_path": str(Path(target.path).resolve()),  # `lab export` names it as the verifier
-        **(tags or {}),
+        **extra,
     }
-    if source is not None:
-        tags.update({"drafter_source": str(source[0].path.resolve()), "drafter_format": source[0].format})
+    if prepared.loaded is not None:
+        info = prepared.loaded.info
+        tags.update({"drafter_source": str(info.path.resolve()), "drafter_format": info.format})
     tags.update(prepared.train_tags)
-    reused = prepared.reused
-    if reused is not None:
-        tags["trained_by_run"] = reused[0].trained_by
-    t = cfg.tracking
-    resume_dir = None
-    if source is None and reused is None and cfg.train.resume_every > 0:
-        resume_dir = resume.checkpoint_dir(cfg, target.fingerprint, layers)
-    with (
-        _resume_checkpoint(resume_dir) as resume_dir,
-        track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", tags, parent_run_id) as mlrun,
-        _records_error(mlrun),
-    ):
-        hooks.on_start(mlrun.id)
-        params = {**flatten(logged), "resolved.aux_layers": layers, **resolved_device(target)}
-        if source is not None:
-            params["drafter.norm_before_residual"] = source[1].spec.norm_before_residual
-        mlrun.log_params(params)
-        mlrun.log_dict(OmegaConf.to_container(logged, resolve=True, enum_to_str=True), "config.yaml")
-        setup: dict[str, float] = {}
-        if hidden is not None:
-            setup = {
-                metric_keys.cache_stat("hit"): float(hidden.stats["hit"]),
-                metric_keys.cache_stat("seconds"): hidden.stats["seconds"],
-            }
-            if hidden.stats.get("build_seconds") is not None:
-                setup[metric_keys.cache_stat("build_seconds")] = hidden.stats["build_seconds"]
-        if "val_loss" in target.info:
-            setup[metric_keys.target_val_loss()] = target.info["val_loss"]
-        setup.update(prepared.data_stats)
-        if setup:
-            mlrun.log_metrics(setup)
+    if prepared.reused is not None:
+        tags["trained_by_run"] = prepared.reused.run.trained_by
+    return tags
 
-        metrics: dict[str, float | list[float]] = dict(setup)
-        if source is not None:
-            drafter = source[1]
-        elif reused is not None:
-            drafter = reused[1]
-            _replay_training(mlrun, reused[0], hooks)
-        else:
-            drafter, tokens_per_s = _train(cfg, mlrun, target, hidden, layers, resume_dir, hooks, progress, seconds)
-            if tokens_per_s > 0:  # none when the resumed checkpoint was already the last step
-                metrics[metric_keys.train_stat("final_tokens_per_s")] = tokens_per_s
-        if t.log_checkpoint:  # an imported drafter too, in our format: `lab export RUN_ID` works alike
-            with tempfile.TemporaryDirectory() as tmp:
-                mlrun.log_artifacts(save_native(drafter, Path(tmp) / "checkpoint"), "checkpoint")
 
-        t0 = time.time()
-        e = cfg.eval
-        for suite in suites:
-            mlrun.log_dict({"suite": suite.describe(), "prompts": suite.records()}, f"suites/{suite.name}.json")
-            mlrun.log_dataset(suite.name, suite.records())
-            if "ref" not in e.backends:
-                continue
-            stage(f"eval {suite.name}")
-            suite_started = time.time()
+def _log_params(mlrun: track.Run, prepared: Prepared) -> None:
+    """The run's params (the logged config, flattened, and what `auto` resolved to) and its config.yaml."""
+    params = {**flatten(prepared.logged), "resolved.aux_layers": prepared.layers, **resolved_device(prepared.target)}
+    if prepared.loaded is not None:
+        params["drafter.norm_before_residual"] = prepared.loaded.drafter.spec.norm_before_residual
+    mlrun.log_params(params)
+    mlrun.log_dict(OmegaConf.to_container(prepared.logged, resolve=True, enum_to_str=True), "config.yaml")
+
+
+def _log_setup_metrics(mlrun: track.Run, prepared: Prepared) -> dict[str, float]:
+    """What preparing measured, logged and returned: the hidden-state cache's hit and seconds, the target's
+    validation loss, the data's metrics."""
+    setup: dict[str, float] = {}
+    hidden = prepared.hidden
+    if hidden is not None:
+        setup = {
+            metric_keys.cache_stat("hit"): float(hidden.stats["hit"]),
+            metric_keys.cache_stat("seconds"): hidden.stats["seconds"],
+        }
+        if hidden.stats.get("build_seconds") is not None:
+            setup[metric_keys.cache_stat("build_seconds")] = hidden.stats["build_seconds"]
+    if "val_loss" in prepared.target.info:
+        setup[metric_keys.target_val_loss()] = prepared.target.info["val_loss"]
+    setup.update(prepared.data_stats)
+    if setup:
+        mlrun.log_metrics(setup)
+    return dict(setup)
+
+
+@dataclass
+class Trained:
+    """The drafter a run evaluates (trained by this run, by a run that trained alike, or elsewhere) and what
+    training in this run measured (`train/final_tokens_per_s`; none without training here)."""
+
+    drafter: Eagle3Drafter
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _drafter(
+    cfg: DictConfig,
+    mlrun: track.Run,
+    prepared: Prepared,
+    resume_dir: Path | None,
+    hooks: RunHooks,
+    clock: StageClock,
+    progress: bool,
+) -> Trained:
+    """The drafter to evaluate: drafter.checkpoint's, that of a finished run that trained alike (its training
+    curves logged again), or one trained now."""
+    if prepared.loaded is not None:
+        return Trained(prepared.loaded.drafter)
+    if prepared.reused is not None:
+        _replay_training(mlrun, prepared.reused.run, hooks)
+        return Trained(prepared.reused.drafter)
+    return _train(cfg, mlrun, prepared.target, prepared.hidden, prepared.layers, resume_dir, hooks, clock, progress)
+
+
+def _evaluate(
+    cfg: DictConfig, mlrun: track.Run, prepared: Prepared, drafter: Eagle3Drafter, clock: StageClock, progress: bool
+) -> dict[str, float | list[float]]:
+    """All of evaluation, timed as `eval`: the suites, vLLM, the teacher-forced rollout; then the rollout's
+    metrics and every stage's seconds are logged. Returns the metrics evaluation logged."""
+    target = prepared.target
+    with clock.timed("eval"):
+        metrics = _evaluate_suites(cfg, mlrun, prepared, drafter, clock, progress)
+        if "vllm" in cfg.eval.backends:
+            clock.on_stage("eval vllm")
+            metrics.update(_evaluate_vllm(cfg, mlrun, target, drafter, prepared.suites, progress))
+        clock.on_stage("rollout")
+        rollout = heldout_evaluation(
+            target, drafter, prepared.heldout, rollout_depth(cfg), seed=cfg.seed, states=prepared.rollout_states
+        )
+    final = {**rollout.metrics, **{metric_keys.stage_seconds(k): v for k, v in clock.seconds.items()}}
+    mlrun.log_curves(final)
+    mlrun.log_dict(rollout.per_prompt, "per_prompt/rollout.json")
+    return {**metrics, **final}
+
+
+def _evaluate_suites(
+    cfg: DictConfig, mlrun: track.Run, prepared: Prepared, drafter: Eagle3Drafter, clock: StageClock, progress: bool
+) -> dict[str, float | list[float]]:
+    """Each suite logged (its prompts, also as a dataset) and, with the reference backend, evaluated as stage
+    `eval_{suite}` (every k of the suite, and its baseline); its metrics and per-prompt records are logged as it
+    finishes, so a later failure keeps them."""
+    target, e = prepared.target, cfg.eval
+    metrics: dict[str, float | list[float]] = {}
+    for suite in prepared.suites:
+        mlrun.log_dict({"suite": suite.describe(), "prompts": suite.records()}, f"suites/{suite.name}.json")
+        mlrun.log_dataset(suite.name, suite.records())
+        if "ref" not in e.backends:
+            continue
+        with clock.stage(f"eval_{suite.name}", heard_as=f"eval {suite.name}"):
             evaluated = evaluate_suite_prompts(
                 target.model,
                 drafter,
                 suite,
-                list(e.num_speculative_tokens),
-                progress=progress,
-                probes=e.probes,
-                n_sink=e.n_sink,
-                temperature=e.temperature,
-                seed=cfg.seed,
+                EvalOptions.from_config(cfg),
                 answers=prepared.answers.get(suite.name),
-                timed=timed_prompts(len(suite.prompts), e.timed_prompts),
+                progress=progress,
             )
-            seconds[f"eval_{suite.name}"] = time.time() - suite_started  # every k of the suite, and its baseline
-            mlrun.log_curves(evaluated.metrics)  # as each suite finishes: a later failure keeps them
-            mlrun.log_dict(evaluated.per_prompt, f"per_prompt/{suite.name}.json")  # the report's paired bootstrap
-            metrics.update(evaluated.metrics)
-        if "vllm" in e.backends:
-            stage("eval vllm")
-            metrics.update(_evaluate_vllm(cfg, mlrun, target, drafter, suites, progress))
-        stage("rollout")
-        rollout = heldout_evaluation(
-            target, drafter, prepared.heldout, rollout_depth(cfg), seed=cfg.seed, states=prepared.rollout_states
-        )
-        final = dict(rollout.metrics)
-        seconds["eval"] = time.time() - t0
-        final.update({metric_keys.stage_seconds(k): v for k, v in seconds.items()})
-        mlrun.log_curves(final)
-        mlrun.log_dict(rollout.per_prompt, "per_prompt/rollout.json")
-        metrics.update(final)
-        return RunResult(mlrun.id, metrics, seconds)
+        mlrun.log_curves(evaluated.metrics)
+        mlrun.log_dict(evaluated.per_prompt, f"per_prompt/{suite.name}.json")  # the report's paired bootstrap
+        metrics.update(evaluated.metrics)
+    return metrics
 
 
 def resolved_device(target: Target) -> dict[str, str]:
@@ -314,11 +403,11 @@ def resolved_device(target: Target) -> dict[str, str]:
     return {"resolved.device": str(target.device), "resolved.dtype": str(target.dtype).removeprefix("torch.")}
 
 
-def _training_data(cfg: DictConfig, target, progress: bool):
-    """(train, held-out) sequences, what chat suites are built from (None for code data), data/... metrics."""
+def _training_data(cfg: DictConfig, target: Target, progress: bool) -> TrainingData:
+    """The configured data: code sequences, or conversations (ShareGPT or JSONL, regenerated by the target)."""
     if cfg.data.source == DataSource.code:
         train_seqs, heldout = code_sequences(target, cfg.data, cfg.cache_dir)
-        return train_seqs, heldout, None, {}
+        return TrainingData(train_seqs, heldout, None, {})
     data = chat_data(target, cfg.data, cfg.cache_dir, thread_count(cfg), progress, cfg.dtype.value, cfg.kv_cache.value)
 
     def answer(conversations):  # MT-Bench's turn-1 answers: the same greedy regeneration, cached alike
@@ -337,10 +426,10 @@ def _training_data(cfg: DictConfig, target, progress: bool):
         ).conversations
 
     inputs = ChatSuiteInputs(data.heldout_conversations, data.chat, answer, str(cfg.cache_dir))
-    return data.train, data.heldout, inputs, data.stats
+    return TrainingData(data.train, data.heldout, inputs, data.stats)
 
 
-def _trained_alike(cfg: DictConfig, target, train_key: str, layers: list[int]):
+def _trained_alike(cfg: DictConfig, target: Target, train_key: str, layers: list[int]) -> Reused | None:
     """The drafter of the first finished run tagged `train_key` (of any study in the store), loaded with the
     run it came from; None when no run trained it yet."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -352,7 +441,7 @@ def _trained_alike(cfg: DictConfig, target, train_key: str, layers: list[int]):
         f"training: the drafter of run {found.trained_by} (train_key {train_key}), trained with the same "
         "config, seed and code; train.reuse=false trains it again"
     )
-    return found, drafter.to(target.device)
+    return Reused(found, drafter.to(target.device))
 
 
 def _replay_training(mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
@@ -367,41 +456,51 @@ def _replay_training(mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
         hooks.on_train_metrics(metrics, step)
 
 
-def _train(cfg: DictConfig, mlrun, target, hidden, layers, resume_dir, hooks: RunHooks, progress: bool, seconds):
-    """Train the configured drafter on the cached hidden states (resuming a checkpoint if one is left);
-    returns it and its final training tokens/s."""
+def _train(
+    cfg: DictConfig,
+    mlrun: track.Run,
+    target: Target,
+    hidden: HiddenStates,
+    layers: list[int],
+    resume_dir: Path | None,
+    hooks: RunHooks,
+    clock: StageClock,
+    progress: bool,
+) -> Trained:
+    """Train the configured drafter on the cached hidden states, continuing from the resume state in
+    `resume_dir` when an interrupted run left one there."""
     counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
     drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
-    checkpoint, state = None, None
+    writer, state = None, None
     if resume_dir is not None:
-        checkpoint = resume.Checkpointing(resume_dir, cfg.train.resume_every, mlrun.id)
+        writer = resume.ResumeWriter(resume_dir, cfg.train.resume_every, mlrun.id)
         state = resume.load(resume_dir, cfg.train.steps)
     if state is not None:
         print(f"resuming training from step {state.step} of {state.steps} (checkpoint {resume_dir.name})")
         mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
         if state.run_id:
             mlrun.set_tags({"resumed_from_run": state.run_id})
-    t0 = time.time()
-    hooks.on_stage("train")
 
     def log_train(metrics: dict[str, float], step: int) -> None:
         mlrun.log_metrics(metrics, step)
         hooks.on_train_metrics(metrics, step)
 
-    result = train(
-        drafter,
-        hidden,
-        target.lm_head_weight,
-        cfg.train,
-        cfg.seed,
-        log=log_train,
-        progress=progress,
-        checkpoint=checkpoint,
-        resume=state,
-        loss=training_loss(drafter, cfg.train),
-    )
-    seconds["train"] = time.time() - t0
-    return drafter, result.tokens_per_s
+    with clock.stage("train"):
+        result = train(
+            drafter,
+            hidden,
+            target.lm_head_weight,
+            cfg.train,
+            cfg.seed,
+            log=log_train,
+            progress=progress,
+            resume_writer=writer,
+            resume=state,
+            loss=training_loss(drafter, cfg.train),
+        )
+    if result.tokens_per_s > 0:  # none when the resume state was already at the last step
+        return Trained(drafter, {metric_keys.train_stat("final_tokens_per_s"): result.tokens_per_s})
+    return Trained(drafter)
 
 
 def training_loss(drafter: Eagle3Drafter, tcfg: DictConfig) -> LossFn:
@@ -412,7 +511,7 @@ def training_loss(drafter: Eagle3Drafter, tcfg: DictConfig) -> LossFn:
     return functools.partial(ttt_loss, drafter)
 
 
-def _load_checkpoint(cfg: DictConfig, target) -> tuple[CheckpointInfo, Eagle3Drafter]:
+def _load_checkpoint(cfg: DictConfig, target: Target) -> Loaded:
     """drafter.checkpoint checked against the loaded target (its vocabulary is known only now) and loaded,
     the target's embedding filling a checkpoint saved without one."""
     info = imported_drafter.resolve(
@@ -422,7 +521,7 @@ def _load_checkpoint(cfg: DictConfig, target) -> tuple[CheckpointInfo, Eagle3Dra
         drafter = load_checkpoint(info.path, embed_weight=target.embed_weight, aux_layers=info.spec.aux_layer_ids)
     except (FileNotFoundError, CheckpointError) as exc:
         raise ConfigError("drafter.checkpoint", str(exc)) from None
-    return info, drafter.to(target.device)
+    return Loaded(info, drafter.to(target.device))
 
 
 def _as_loaded(cfg: DictConfig, info: CheckpointInfo) -> DictConfig:
@@ -434,11 +533,11 @@ def _as_loaded(cfg: DictConfig, info: CheckpointInfo) -> DictConfig:
 
 
 @contextlib.contextmanager
-def _resume_checkpoint(path: Path | None) -> Iterator[Path | None]:
+def _held_resume_dir(path: Path | None) -> Iterator[Path | None]:
     """The run's resume state folder, held by this process for the run: removed when the run
     finishes (its drafter is in MLflow) or is pruned (never resumed), kept when it fails or is
-    interrupted (a rerun resumes it). None when checkpointing is off or another process trains the
-    same configuration right now (both writing one checkpoint would interleave two runs)."""
+    interrupted (a rerun resumes it). None when resume states are off or another process trains the
+    same configuration right now (both writing one resume state would interleave two runs)."""
     if path is None:
         yield None
         return

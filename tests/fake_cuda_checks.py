@@ -178,9 +178,9 @@ def _train(cfg, loaded, hidden, steps: int, mp) -> tuple[Report, _Run, object]: 
     cfg = OmegaConf.merge(cfg, {"train": {"steps": steps}})
     with fake_cuda(mp) as report:
         run = _Run(report)
-        drafter, _ = pipeline._train(
-            cfg, run, loaded.target, hidden, loaded.layers, None, pipeline.RunHooks(), False, {}
-        )
+        drafter = pipeline._train(
+            cfg, run, loaded.target, hidden, loaded.layers, None, pipeline.RunHooks(), pipeline.StageClock(), False
+        ).drafter
     return report, run, drafter
 
 
@@ -229,9 +229,9 @@ def drafter(cfg, loaded, hidden, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp, fake_cuda(mp):
         folder = save_native(trained, tmp_path_factory.mktemp("fake-cuda-drafter") / "drafter")
     with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
-        _, loaded_drafter = pipeline._load_checkpoint(
+        loaded_drafter = pipeline._load_checkpoint(
             OmegaConf.merge(cfg, {"drafter": {"checkpoint": str(folder)}}), loaded.target
-        )
+        ).drafter
     _clean(report)
     return loaded_drafter
 

@@ -99,11 +99,11 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def evaluate_suite(target_model, drafter: Eagle3Drafter, suite, ks: list[int], **kwargs) -> dict:
-    """A suite's evaluation metrics alone (`evaluate_suite_prompts(...).metrics`)."""
-    from lab.eval.evaluate import evaluate_suite_prompts
+def evaluate_suite(target_model, drafter: Eagle3Drafter, suite, ks: list[int], progress=True, **options) -> dict:
+    """A suite's evaluation metrics alone (`evaluate_suite_prompts(...).metrics`); `options` are `EvalOptions`'."""
+    from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts
 
-    return evaluate_suite_prompts(target_model, drafter, suite, ks, **kwargs).metrics
+    return evaluate_suite_prompts(target_model, drafter, suite, EvalOptions(ks, **options), progress=progress).metrics
 
 
 def rollout_accuracy(drafter: Eagle3Drafter, input_ids, aux, target_top, depth: int, loss_mask=None) -> list[float]:

@@ -348,10 +348,10 @@ def test_regeneration_killed_before_a_part_rename_redoes_that_part(micro_target,
 # ------------------------------------------------------------------------------------- resume states
 
 
-def train_state(step: int) -> resume.TrainState:
+def train_state(step: int) -> resume.ResumeState:
     """A resume state's state at `step` of 10 (a small drafter's weights, made-up optimizer state)."""
     drafter = small_drafter(step)
-    return resume.TrainState(
+    return resume.ResumeState(
         step=step,
         steps=10,
         model=drafter.state_dict(),

@@ -76,9 +76,9 @@ def test_checkpoint_without_manifest_still_loads(tmp_path):
 # -- resume states -------------------------------------------------------------------------------
 
 
-def _state(step: int = 4, steps: int = 10) -> resume.TrainState:
+def _state(step: int = 4, steps: int = 10) -> resume.ResumeState:
     drafter = small_drafter()
-    return resume.TrainState(
+    return resume.ResumeState(
         step=step,
         steps=steps,
         model=drafter.state_dict(),
@@ -126,7 +126,7 @@ def test_corrupted_resume_checkpoint_trains_from_scratch(micro_overrides, micro_
 
     overrides = [*micro_overrides, *_store(tmp_path), "study=faults", "seed=4243"]
     cfg = compose([*overrides, "train.steps=6", "train.resume_every=3", "eval.num_prompts=1"])
-    path = resume.checkpoint_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
+    path = resume.state_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
 
     def stop_at_5(metrics, step):
         if step == 5:
@@ -173,7 +173,7 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
     # a seed of its own: the checkpoint key (and folder) differs from every other test's
     overrides = [*micro_overrides, "study=faults", "seed=4242", "train.steps=40", "train.resume_every=5"]
     cfg = compose([*overrides, *_store(tmp_path / "a")])
-    path = resume.checkpoint_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
+    path = resume.state_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
     cmd = [sys.executable, "-m", "lab.cli", "run", *overrides, *_store(tmp_path / "a")]
     env = {**os.environ, "TQDM_DISABLE": "1"}
     out, err, held = tmp_path / "stdout", tmp_path / "stderr", tmp_path / "held"

@@ -246,7 +246,7 @@ def test_resume_on_the_device_keeps_steps_and_order(micro_cfg, micro_hidden, bf1
     from lab.data.cache import HiddenStates
     from lab.drafter import init_drafter
     from lab.train import resume
-    from lab.train.resume import Checkpointing
+    from lab.train.resume import ResumeWriter
     from lab.train.ttt import train
 
     h = micro_hidden
@@ -266,9 +266,9 @@ def test_resume_on_the_device_keeps_steps_and_order(micro_cfg, micro_hidden, bf1
         if step == 8:
             raise KeyboardInterrupt
 
-    ckpt = Checkpointing(tmp_path / "ckpt", every=3, run_id="first")
+    ckpt = ResumeWriter(tmp_path / "ckpt", every=3, run_id="first")
     with pytest.raises(KeyboardInterrupt):
-        run(interrupt_at_8, checkpoint=ckpt)
+        run(interrupt_at_8, resume_writer=ckpt)
     state = resume.load(ckpt.path, cfg.steps)
     assert state is not None and state.step == 6
     resumed: list = []

@@ -154,13 +154,13 @@ def test_the_reference_evaluation_and_rollout_log_the_builders_keys():
 
     from lab.data.code_data import Sequences
     from lab.data.suites import Suite
-    from lab.eval.evaluate import evaluate_suite_prompts, heldout_evaluation
+    from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts, heldout_evaluation
 
     model = small_target(0)
     drafter = small_drafter(0)
     prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7)]
     suite = Suite("mix", prompts, ["a", "b", "a"], max_new_tokens=6)
-    logged = evaluate_suite_prompts(model, drafter, suite, [2], progress=False, probes=True).metrics
+    logged = evaluate_suite_prompts(model, drafter, suite, EvalOptions([2], probes=True), progress=False).metrics
     names = ["mix", metric_keys.suite_variant("mix", "a"), metric_keys.suite_variant("mix", "b")]
     assert set(logged) == set().union(*(_suite_keys(s, 2, probes=True) for s in names))
 

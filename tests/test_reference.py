@@ -79,9 +79,10 @@ def test_accepted_drafts_after_a_stop_token_do_not_count(micro_cfg, micro_target
     rounds: list[list[int]] = []
 
     def accept_all(drafts, *args):  # every draft accepted, as a drafter that agrees with its target would be
-        _, bonus, tokens, _ = real(drafts, *args)
-        rounds.append(tokens)
-        return len(tokens), bonus, tokens, None  # None: the committed tokens uploaded from these ints
+        verdict = real(drafts, *args)
+        rounds.append(verdict.drafts)
+        # committed None: the round uploads its tokens from these ints
+        return reference_module.Verdict(len(verdict.drafts), verdict.bonus, verdict.drafts, committed=None)
 
     monkeypatch.setattr(reference_module, "_accept", accept_all)
     speculative_decode(micro_target.model, drafter, prompts[0], 24, 4)
@@ -227,7 +228,7 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
 
     from lab.data.code_data import Sequences
     from lab.data.suites import Suite
-    from lab.eval.evaluate import evaluate_suite_prompts, heldout_evaluation
+    from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts, heldout_evaluation
     from lab.report import paired
 
     model = small_target(0)
@@ -235,7 +236,8 @@ def test_per_prompt_records_pool_back_to_the_logged_metrics():
     prompts = [torch.randint(0, 100, (n,)).tolist() for n in (9, 12, 7, 10)]
     suite = Suite("mix", prompts, ["a", "b", "a", "b"], max_new_tokens=12)
     ks = [2, 3]
-    result = evaluate_suite_prompts(model, drafter, suite, ks, progress=False, probes=True, temperature=1.0, seed=3)
+    options = EvalOptions(ks, probes=True, temperature=1.0, seed=3)
+    result = evaluate_suite_prompts(model, drafter, suite, options, progress=False)
     doc = result.per_prompt
     assert [(p["index"], p["variant"]) for p in doc["prompts"]] == [(0, "a"), (1, "b"), (2, "a"), (3, "b")]
     assert len({p["id"] for p in doc["prompts"]}) == 4 and doc["ks"] == ks and doc["seed"] == 3

@@ -127,20 +127,23 @@ def test_the_replay_equals_the_decoder_round_by_round(micro_target, suites, draf
 def test_a_replayed_run_checks_itself_on_its_timed_prompts(micro_target, suites, trained_eagle31):
     """A replayed evaluation decodes its timed prompts: it logs the share whose rounds equal the replay's (what
     a bfloat16 run on a GPU reports) and keeps the decoder's counts beside the replay's in the per-prompt file."""
-    from lab.eval.evaluate import evaluate_suite_prompts
+    from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts, timed_prompts
 
     drafter = trained_eagle31[0]
     suite, answers = suites[2]  # template: several variants, so the per-variant keys too
-    run = evaluate_suite_prompts(micro_target.model, drafter, suite, KS, answers=answers, timed=[0, 1])
+    options = EvalOptions(KS, timed_prompts=2)
+    timed = timed_prompts(len(suite.prompts), 2)
+    run = evaluate_suite_prompts(micro_target.model, drafter, suite, options, answers=answers)
     agree = {key: v for key, v in run.metrics.items() if key.endswith("/replay_agreement")}
     assert agree and set(agree.values()) == {1.0} and f"eval/{suite.name}/ref/k8/replay_agreement" in agree
     records = run.per_prompt["prompts"]
-    assert [("decoded" in r["k"]["3"]) for r in records] == [i in (0, 1) for i in range(len(records))]
+    assert run.per_prompt["timed"] == timed and len(timed) == 2
+    assert [("decoded" in r["k"]["3"]) for r in records] == [i in timed for i in range(len(records))]
     assert records[0]["k"]["8"]["decoded"]["rounds"] == records[0]["k"]["8"]["rounds"]
 
     # it can fail: the answers' features one position late make the replay count other rounds
     late = dataclasses.replace(answers, aux=answers.aux.roll(1, dims=1))
-    run = evaluate_suite_prompts(micro_target.model, drafter, suite, KS, answers=late, timed=[0, 1])
+    run = evaluate_suite_prompts(micro_target.model, drafter, suite, options, answers=late)
     assert run.metrics[f"eval/{suite.name}/ref/k8/replay_agreement"] < 1.0
 
 

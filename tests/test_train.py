@@ -14,7 +14,7 @@ from lab.drafter import init_drafter
 from lab.drafter.unroll import unroll
 from lab.train import resume
 from lab.train.loss import ttt_loss
-from lab.train.resume import Checkpointing
+from lab.train.resume import ResumeWriter
 from lab.train.ttt import simulated_acc_len, train
 
 
@@ -99,7 +99,7 @@ def test_loss_mask_ignores_predictions_of_prompt_tokens(micro_cfg, micro_target,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_hidden, tmp_path, dtype):
-    """Interrupted after step 8 (last checkpoint at step 6, mid log window), resumed: the same weights
+    """Interrupted after step 8 (last resume state at step 6, mid log window), resumed: the same weights
     and the same logged metrics as an uninterrupted run, across an epoch's reshuffle (4 steps each).
     A float16 target trains with a scaled loss: the scale it backed off to resumes with it."""
     h = micro_hidden
@@ -124,9 +124,9 @@ def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_
         if step == 8:
             raise KeyboardInterrupt
 
-    ckpt = Checkpointing(tmp_path / "ckpt", every=3, run_id="first")
+    ckpt = ResumeWriter(tmp_path / "ckpt", every=3, run_id="first")
     with pytest.raises(KeyboardInterrupt):
-        run(interrupt_at_8, checkpoint=ckpt)
+        run(interrupt_at_8, resume_writer=ckpt)
     state = resume.load(ckpt.path, cfg.steps)
     assert state is not None and state.step == 6 and state.run_id == "first" and len(state.window) == 2
     if dtype == torch.float16:  # steps that overflowed were skipped and the loss scale backed off from its start
@@ -136,7 +136,7 @@ def test_resumed_training_ends_bitwise_identical(micro_cfg, micro_target, micro_
         assert state.scaler == {} and state.optimizer[0]["step"].item() == 6.0  # AdamW's step count, a tensor
 
     resumed: list = []
-    got = run(lambda m, s: resumed.append((m, s)), checkpoint=Checkpointing(ckpt.path, 3, "second"), resume=state)
+    got = run(lambda m, s: resumed.append((m, s)), resume_writer=ResumeWriter(ckpt.path, 3, "second"), resume=state)
     for k, v in expected.state_dict().items():
         assert torch.equal(v, got.state_dict()[k]), k
     assert without_speed(resumed) == without_speed(straight)  # history replayed, then the same window

@@ -1,5 +1,5 @@
 """The FLOPs of one training step, by formula: what MFU divides by where torch's FLOP counter cannot count
-(its `FlopCounterMode` refused grouped-query SDPA on CUDA, torch 2.11).
+(its `FlopCounterMode` refuses grouped-query SDPA on CUDA in torch 2.11).
 
 The formula counts every matrix product of `lab.train.loss.ttt_loss` and its backward, on a batch without a
 loss mask, as the code computes them:

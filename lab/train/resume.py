@@ -4,10 +4,10 @@ Layout: `{cache_dir}/resume/{key}/` with `model.safetensors` (the drafter's stat
 `optimizer.safetensors` (AdamW's per-parameter state), `data.safetensors` (the data-order permutation
 and the generator state), `state.json` (step, cursor, the metrics window and history, float16's loss scale) and
 `manifest.json` (each file's sha256, `step`, `steps`, the MLflow run that wrote it). Safetensors and
-JSON only, no pickle. The key hashes everything that determines the trained weights, so a checkpoint
-is only ever resumed by the same training. A checkpoint with `step < steps` is partial: it resumes
-training and is never taken for a finished drafter (that one is the MLflow run's artifact). A file
-that does not match its manifest hash is refused with one line and training starts from scratch.
+JSON only, no pickle. The key hashes everything that determines the trained weights, so a resume state
+is only ever resumed by the same training. One with `step < steps` is partial: it resumes training and is
+never taken for a finished drafter (that one is the MLflow run's checkpoint artifact). A file that does not
+match its manifest hash is refused with one line and training starts from scratch.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def training_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]
     )
 
 
-def checkpoint_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
+def state_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
     """Where the resume state of this training lives."""
     return Path(cfg.cache_dir) / "resume" / training_key(cfg, target_fingerprint, aux_layers)
 
@@ -78,17 +78,7 @@ def drafter_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int],
 
 
 @dataclass
-class Checkpointing:
-    """Write a resume state to `path` every `every` steps (and after the last); `run_id` is
-    recorded as the run that wrote it."""
-
-    path: Path
-    every: int
-    run_id: str | None = None
-
-
-@dataclass
-class TrainState:
+class ResumeState:
     """Everything the trainer needs to continue bit for bit after `step` of `steps` steps."""
 
     step: int
@@ -105,10 +95,27 @@ class TrainState:
     scaler: dict = field(default_factory=dict)  # float16's GradScaler (its loss scale); empty otherwise
 
 
-def save(path: Path, state: TrainState) -> None:
+@dataclass
+class ResumeWriter:
+    """Where and when the trainer writes its resume state: to `path` every `every` steps, after the last and
+    on a stop request (Ctrl-C); `run_id` is recorded as the run that wrote it."""
+
+    path: Path
+    every: int
+    run_id: str | None = None
+
+    def due(self, step: int, steps: int, stopping: bool) -> bool:
+        """Whether the state after `step` (counted from 1) of `steps` is written."""
+        return step % self.every == 0 or step == steps or stopping
+
+    def write(self, state: ResumeState) -> None:
+        save(self.path, state)
+
+
+def save(path: Path, state: ResumeState) -> None:
     """Write `state` to `path`, replacing what is there atomically: staged beside it, flushed, renamed into
-    place, so a full disk or a crash leaves the old checkpoint (or, killed between its two renames, none:
-    training then starts from scratch), never a partial one; a killed write's leftover is removed by the next."""
+    place, so a full disk or a crash leaves the old state (or, killed between its two renames, none: training
+    then starts from scratch), never a partial one; a killed write's leftover is removed by the next."""
     with staging_dir(path) as tmp:
         save_file({k: v.contiguous() for k, v in state.model.items()}, str(tmp / "model.safetensors"))
         opt = {f"{i}.{name}": t.contiguous() for i, s in state.optimizer.items() for name, t in s.items()}
@@ -132,9 +139,9 @@ def save(path: Path, state: TrainState) -> None:
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def load(path: Path, steps: int) -> TrainState | None:
-    """The checkpoint at `path` if there is a valid one for `steps` total steps, else None; a checkpoint
-    that fails its manifest is refused with one printed line (and never used)."""
+def load(path: Path, steps: int) -> ResumeState | None:
+    """The resume state at `path` if there is a valid one for `steps` total steps, else None; one that fails
+    its manifest is refused with one printed line (and never used)."""
     mf = path / MANIFEST
     if not mf.is_file():
         return None
@@ -161,7 +168,7 @@ def load(path: Path, steps: int) -> TrainState | None:
             opt.setdefault(int(index), {})[key] = t
         data = load_file(str(path / "data.safetensors"))
         info = json.loads((path / "state.json").read_text())
-        return TrainState(
+        return ResumeState(
             step=step,
             steps=steps,
             model=load_file(str(path / "model.safetensors")),
@@ -173,19 +180,19 @@ def load(path: Path, steps: int) -> TrainState | None:
             window=info["window"],
             history=[(int(s), m) for s, m in info["history"]],
             run_id=manifest.get("run_id"),
-            scaler=info.get("scaler", {}),  # absent from checkpoints written before float16 resumed exactly
+            scaler=info.get("scaler", {}),  # a state.json without one: no loss scale to restore
         )
     except (SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         return refuse(f"unreadable ({type(exc).__name__}: {exc})")
 
 
 def discard(path: Path) -> None:
-    """Remove the checkpoint (its run finished: the drafter is in MLflow)."""
+    """Remove the resume state (its run finished: the drafter is in MLflow)."""
     shutil.rmtree(path, ignore_errors=True)
 
 
 class StopRequest:
-    """Ctrl-C while training: the trainer finishes its step, writes a checkpoint and raises
+    """Ctrl-C while training: the trainer finishes its step, writes a resume state and raises
     KeyboardInterrupt, so nothing computed is lost; a second Ctrl-C interrupts at once. Only in the
     main thread and where Ctrl-C has Python's default handler (elsewhere, signals stay as they are)."""
 

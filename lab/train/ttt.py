@@ -1,7 +1,9 @@
-"""The native training-time-test (TTT) trainer: batches, AdamW, warmup-cosine, metrics, resumable checkpoints.
+"""The native training-time-test (TTT) trainer: batches, AdamW, warmup-cosine, metrics, resume states.
 
 A step's loss comes from the caller's backend (`lab.train.step.LossFn`); the native one is
-`lab.train.loss.ttt_loss` (TorchSpec / EAGLE semantics, only what the loss reads computed).
+`lab.train.loss.ttt_loss` (TorchSpec / EAGLE semantics, only what the loss reads computed). What the loop
+keeps across steps sits beside it, so that the loop reads as a training loop: `BatchOrder` (which sequences
+each step reads), `TrainLog` (the logged metrics) and `Resumable` (what a resume state restores and captures).
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.schedule import warmup_cosine
 from lab.train.loss import ttt_loss
-from lab.train.resume import Checkpointing, StopRequest, TrainState
-from lab.train.resume import save as save_state
-from lab.train.step import LossFn
+from lab.train.resume import ResumeState, ResumeWriter, StopRequest
+from lab.train.step import LossFn, StepStats
 
 MetricsFn = Callable[[dict[str, float], int], None]
 
@@ -43,7 +44,7 @@ def simulated_acc_len(accs: list[float]) -> float:
 class TrainResult:
     steps: int
     seconds: float
-    tokens_per_s: float  # of the steps trained in this call (0 when a finished checkpoint was resumed)
+    tokens_per_s: float  # of the steps trained in this call (0 when a finished resume state was resumed)
     last: dict[str, float] = field(default_factory=dict)
 
 
@@ -51,6 +52,110 @@ def optimizer(params: list[torch.nn.Parameter], tcfg: DictConfig) -> torch.optim
     """The trainer's AdamW (both backends): betas (0.9, 0.95), torch's fused kernel (one pass over all
     parameters rather than a loop of small ops per parameter)."""
     return torch.optim.AdamW(params, lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay, fused=True)
+
+
+class BatchOrder:
+    """The resumable data order: a seeded permutation of the `n` training sequences, read `batch_size` at a
+    time, and a fresh permutation from the same generator once fewer than a batch remain."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size = n, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(n, generator=self.generator)
+        self.cursor = 0  # the next position in `order`
+
+    def next(self) -> torch.Tensor:
+        """The indices of the next batch."""
+        if self.cursor + self.batch_size > len(self.order):
+            self.order, self.cursor = torch.randperm(self.n, generator=self.generator), 0
+        batch = self.order[self.cursor : self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return batch
+
+    def restore(self, state: ResumeState) -> None:
+        self.order, self.cursor = state.order, state.cursor
+        self.generator.set_state(state.generator)
+
+
+class TrainLog:
+    """The training metrics: each step's stats gather in a window, averaged every `log_every` steps and at the
+    last into one record of `train/...` metrics, which goes to `log` and into the history. A resume state
+    carries window and history: a resumed run sends the history again first, and its next record averages the
+    steps an uninterrupted run's would."""
+
+    def __init__(self, log: MetricsFn | None, log_every: int, steps: int) -> None:
+        self.send = log if log is not None else lambda metrics, step: None
+        self.log_every, self.steps = log_every, steps
+        self.window: list[dict] = []  # per-step stats since the last record
+        self.history: list[tuple[int, dict[str, float]]] = []  # every (step, record) sent
+        self.last: dict[str, float] = {}
+        self.tokens, self.since = 0, time.time()  # the window's tokens and start, for its tokens/s
+
+    def restore(self, state: ResumeState) -> None:
+        if state.log_every == self.log_every:  # else its window would straddle other log steps
+            self.window = list(state.window)
+        self.history = list(state.history)
+        for step, metrics in self.history:
+            self.send(metrics, step)
+            self.last = metrics
+        self.since = time.time()
+
+    def add(self, step: int, loss: float, stats: StepStats, tokens: int, lr: float) -> bool:
+        """Add the stats of `step` (counted from 1), which read `tokens` tokens; whether it sent a record."""
+        self.window.append({"loss": loss, "plosses": stats.plosses, "accs": stats.accs})
+        self.tokens += tokens
+        if step % self.log_every != 0 and step != self.steps:
+            return False
+        self.last = _summarize(self.window, self.tokens / max(time.time() - self.since, 1e-9), lr)
+        self.history.append((step, self.last))
+        self.send(self.last, step)
+        self.window, self.tokens, self.since = [], 0, time.time()
+        return True
+
+    def postfix(self) -> dict[str, str]:
+        """The progress bar's summary of the last record."""
+        return {
+            "loss": f"{self.last[metric_keys.train_stat('loss')]:.3f}",
+            "acc0": f"{self.last[metric_keys.train_step_acc(0)]:.2f}",
+            "sal": f"{self.last[metric_keys.train_stat('simulated_acc_len')]:.2f}",
+        }
+
+
+@dataclass
+class Resumable:
+    """What a resume state holds of a training: the drafter's weights, AdamW's and the loss scaler's state, the
+    data order and the metrics log; restored from one, captured into one."""
+
+    drafter: Eagle3Drafter
+    opt: torch.optim.AdamW
+    scaler: torch.amp.GradScaler
+    batches: BatchOrder
+    log: TrainLog
+
+    def restore(self, state: ResumeState) -> None:
+        self.batches.restore(state)
+        self.drafter.load_state_dict(state.model, strict=True)
+        # the fresh optimizer's groups (same config: the resume key covers it); lr is set per step
+        self.opt.load_state_dict({"state": state.optimizer, "param_groups": self.opt.state_dict()["param_groups"]})
+        if state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        self.log.restore(state)
+
+    def state(self, step: int, steps: int, run_id: str | None) -> ResumeState:
+        return ResumeState(
+            step=step,
+            steps=steps,
+            model=self.drafter.state_dict(),
+            optimizer=self.opt.state_dict()["state"],
+            order=self.batches.order,
+            cursor=self.batches.cursor,
+            generator=self.batches.generator.get_state(),
+            log_every=self.log.log_every,
+            window=self.log.window,
+            history=self.log.history,
+            run_id=run_id,
+            scaler=self.scaler.state_dict(),
+        )
 
 
 def train(
@@ -61,8 +166,8 @@ def train(
     seed: int,
     log: MetricsFn | None = None,
     progress: bool = True,
-    checkpoint: Checkpointing | None = None,
-    resume: TrainState | None = None,
+    resume_writer: ResumeWriter | None = None,
+    resume: ResumeState | None = None,
     loss: LossFn | None = None,
 ) -> TrainResult:
     """Train in place; `log(metrics, step)` receives the averaged metrics every `log_every` steps.
@@ -71,10 +176,10 @@ def train(
     backend, e.g. `TorchSpecTTT.for_drafter(drafter, ttt_length).loss` for `train.backend=torchspec`
     (lab/pipeline.py `training_loss`); None is the native `ttt_loss`, for `train.backend=native` only.
 
-    With `checkpoint`, a resume state is written every `checkpoint.every` steps and after the last,
-    and Ctrl-C stops after the current step with a checkpoint. With `resume` (such a checkpoint, of the
-    same training), training continues from its step and ends with the weights an uninterrupted run
-    would have, bit for bit (same thread count); the metrics it logged are sent to `log` again first.
+    With `resume_writer`, a resume state is written every `resume_writer.every` steps and after the last,
+    and Ctrl-C stops after the current step with one. With `resume` (such a state, of the same training),
+    training continues from its step and ends with the weights an uninterrupted run would have, bit for bit
+    (same thread count); the metrics it logged are sent to `log` again first.
 
     Batches go to the drafter's device. The drafter computes in `lm_head_weight`'s dtype, the target's (under
     autocast, its weights and AdamW's state staying float32; the config's `dtype` is the one knob), float16
@@ -83,53 +188,27 @@ def train(
         raise ValueError(f"train.backend={tcfg.backend}: pass its loss (`loss=`); only the native one is the default")
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = optimizer(params, tcfg)
-    device = params[0].device
-    precision = lm_head_weight.dtype
+    device, precision = params[0].device, lm_head_weight.dtype
     # disabled (every call passes through) unless float16; its loss scale travels in the resume state
     scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(data), generator=gen)
-    cursor, start = 0, 0
-    window: list[dict] = []  # per-step stats since the last log
-    history: list[tuple[int, dict[str, float]]] = []
-    last: dict[str, float] = {}
+    batches = BatchOrder(len(data), tcfg.batch_size, seed)
+    metrics = TrainLog(log, tcfg.log_every, tcfg.steps)
+    resumable = Resumable(drafter, opt, scaler, batches, metrics)
+    start = 0
     if resume is not None:
-        start, order, cursor = resume.step, resume.order, resume.cursor
-        gen.set_state(resume.generator)
-        drafter.load_state_dict(resume.model, strict=True)
-        # the fresh optimizer's groups (same config: the checkpoint key covers it); lr is set per step
-        opt.load_state_dict({"state": resume.optimizer, "param_groups": opt.state_dict()["param_groups"]})
-        if resume.scaler:
-            scaler.load_state_dict(resume.scaler)
-        if resume.log_every == tcfg.log_every:  # else its window would straddle other log steps
-            window = list(resume.window)
-        history = list(resume.history)
-        for step, metrics in history:
-            if log is not None:
-                log(metrics, step)
-            last = metrics
+        resumable.restore(resume)
+        start = resume.step
     batch_loss = loss if loss is not None else functools.partial(ttt_loss, drafter)
     drafter.train()
-    window_tokens, window_start = 0, time.time()
     started = time.time()
-    bar = tqdm(
-        range(start, tcfg.steps),
-        initial=start,
-        total=tcfg.steps,
-        desc=f"train {drafter.spec.fc_norm}/{drafter.spec.norm_output}"
-        + (" (torchspec)" if tcfg.backend == "torchspec" else ""),
-        unit="step",
-        disable=not progress,
-    )
+    bar = _progress_bar(drafter, tcfg, start, progress)
     stop = StopRequest()
-    with stop.installed() if checkpoint is not None else contextlib.nullcontext():
+    with stop.installed() if resume_writer is not None else contextlib.nullcontext():
         for step in bar:
-            if cursor + tcfg.batch_size > len(order):
-                order, cursor = torch.randperm(len(data), generator=gen), 0
-            idx = order[cursor : cursor + tcfg.batch_size]
-            cursor += tcfg.batch_size
+            idx = batches.next()
+            lr = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
             for group in opt.param_groups:
-                group["lr"] = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
+                group["lr"] = lr
             with autocast(device, precision):
                 stats = batch_loss(
                     data.input_ids[idx].to(device),
@@ -149,47 +228,34 @@ def train(
             torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
             scaler.step(opt)
             scaler.update()
-            window.append({"loss": value, "plosses": stats.plosses, "accs": stats.accs})
-            window_tokens += int(data.input_ids[idx].numel())
             done = step + 1
-            if done % tcfg.log_every == 0 or done == tcfg.steps:
-                elapsed = time.time() - window_start
-                last = _summarize(window, window_tokens / max(elapsed, 1e-9), opt.param_groups[0]["lr"])
-                history.append((done, last))
-                if log is not None:
-                    log(last, done)
-                bar.set_postfix(
-                    loss=f"{last[metric_keys.train_stat('loss')]:.3f}",
-                    acc0=f"{last[metric_keys.train_step_acc(0)]:.2f}",
-                    sal=f"{last[metric_keys.train_stat('simulated_acc_len')]:.2f}",
-                )
-                window, window_tokens, window_start = [], 0, time.time()
-            # read once a step: a Ctrl-C from here on still gets its checkpoint (and tests/hold/sitecustomize.py
-            # holds a test's training at its N-th read)
+            if metrics.add(done, value, stats, len(idx) * data.input_ids.shape[1], lr):
+                bar.set_postfix(**metrics.postfix())
+            # read once a step, after the step is logged: a Ctrl-C from here on still gets its resume state
+            # (tests/hold/sitecustomize.py holds a test's training at its N-th read)
             stopping = stop.requested
-            if checkpoint is not None and (done % checkpoint.every == 0 or done == tcfg.steps or stopping):
-                state = TrainState(
-                    step=done,
-                    steps=tcfg.steps,
-                    model=drafter.state_dict(),
-                    optimizer=opt.state_dict()["state"],
-                    order=order,
-                    cursor=cursor,
-                    generator=gen.get_state(),
-                    log_every=tcfg.log_every,
-                    window=window,
-                    history=history,
-                    run_id=checkpoint.run_id,
-                    scaler=scaler.state_dict(),
-                )
-                save_state(checkpoint.path, state)
+            if resume_writer is not None and resume_writer.due(done, tcfg.steps, stopping):
+                resume_writer.write(resumable.state(done, tcfg.steps, resume_writer.run_id))
             if stopping:
                 raise KeyboardInterrupt
     bar.close()
     drafter.eval()
     seconds = time.time() - started
     tokens = (tcfg.steps - start) * tcfg.batch_size * data.input_ids.shape[1]
-    return TrainResult(tcfg.steps, seconds, tokens / max(seconds, 1e-9), last)
+    return TrainResult(tcfg.steps, seconds, tokens / max(seconds, 1e-9), metrics.last)
+
+
+def _progress_bar(drafter: Eagle3Drafter, tcfg: DictConfig, start: int, progress: bool) -> tqdm:
+    """The training steps from `start`, as a progress bar (silent without `progress`)."""
+    backend = " (torchspec)" if tcfg.backend == "torchspec" else ""
+    return tqdm(
+        range(start, tcfg.steps),
+        initial=start,
+        total=tcfg.steps,
+        desc=f"train {drafter.spec.fc_norm}/{drafter.spec.norm_output}{backend}",
+        unit="step",
+        disable=not progress,
+    )
 
 
 def _summarize(window: list[dict], tokens_per_s: float, lr: float) -> dict[str, float]:

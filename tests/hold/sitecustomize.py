@@ -8,8 +8,8 @@ such hook of its own.
 
 It replaces lab.train.resume's `StopRequest` as that module loads (lab's `after_import`; before lab/train/ttt.py
 imports it) with one whose `requested` holds on its N-th read: the trainer reads it once after each step it
-finishes, where it decides on a checkpoint. A change there that moves the hold fails the tests that use it (the
-file never comes, or the interrupt lands elsewhere than they check)."""
+finishes, where it decides on writing a resume state. A change there that moves the hold fails the tests that use
+it (the file never comes, or the interrupt lands elsewhere than they check)."""
 
 from __future__ import annotations
 
