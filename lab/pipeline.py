@@ -249,10 +249,12 @@ def run(
     resume_dir = None
     if prepared.trains and cfg.train.resume_every > 0:
         resume_dir = resume.state_dir(cfg, prepared.target.fingerprint, prepared.layers)
+        resume.check_identity(resume_dir, resume.training_identity(cfg, prepared.target.fingerprint, prepared.layers))
     t = cfg.tracking
+    name = f"{arm}-seed{cfg.seed}"
     with (
         _held_resume_dir(resume_dir) as resume_dir,
-        track.start_run(t.uri, t.artifact_root, cfg.study, f"{arm}-seed{cfg.seed}", run_tags, parent_run_id) as mlrun,
+        track.start_run(t.uri, t.artifact_root, cfg.study, name, run_tags, parent_run_id, t.system_metrics) as mlrun,
         _records_error(mlrun),
     ):
         hooks.on_start(mlrun.id)
@@ -473,10 +475,11 @@ def _train(
     drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
     writer, state = None, None
     if resume_dir is not None:
-        writer = resume.ResumeWriter(resume_dir, cfg.train.resume_every, mlrun.id)
+        identity = resume.training_identity(cfg, target.fingerprint, layers)
+        writer = resume.ResumeWriter(resume_dir, cfg.train.resume_every, mlrun.id, identity)
         state = resume.load(resume_dir, cfg.train.steps)
     if state is not None:
-        print(f"resuming training from step {state.step} of {state.steps} (checkpoint {resume_dir.name})")
+        print(f"resuming training from step {state.step} of {state.steps} (resume state {resume_dir.name})")
         mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
         if state.run_id:
             mlrun.set_tags({"resumed_from_run": state.run_id})

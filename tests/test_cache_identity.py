@@ -328,3 +328,29 @@ def test_entries_that_record_no_identity_keep_loading(micro_cfg, micro_target, m
     assert answers_mod.suite_answers(micro_target, prompts, 6, stops, LAYERS, tmp_path).hit
     assert regenerate(micro_target, tmp_path, 4).stats["hit"]
     assert target_build.build(small_target_cfg(tmp_path, 2).target, tmp_path, progress=False) == target
+
+
+def test_a_resume_state_under_another_key_is_refused_and_left_as_it_is(micro_cfg, tmp_path):
+    """Another training's progress moved under this training's key: refused before the run opens, never
+    trained over."""
+    import torch
+
+    from lab.config import ConfigError
+    from lab.train import resume
+
+    faster = micro_cfg.copy()
+    faster.train.lr = micro_cfg.train.lr * 2
+    mine, theirs = (resume.training_identity(c, "target-fp", [1, 2]) for c in (micro_cfg, faster))
+    state = resume.ResumeState(
+        step=1, steps=2, model={"w": torch.zeros(2)}, optimizer={}, order=torch.arange(4), cursor=1,
+        generator=torch.Generator().get_state(), log_every=1,
+    )  # fmt: skip
+    written = tmp_path / "resume" / mine.key()
+    resume.save(written, state, mine)
+    resume.check_identity(written, mine)  # its own key: taken
+    moved = move(written, theirs.key())
+    before = snapshot(moved)
+    with pytest.raises(ConfigError, match=rf"^cache_dir: resume state resume/{theirs.key()}: built for train.lr="):
+        resume.check_identity(moved, theirs)
+    assert snapshot(moved) == before
+    resume.check_identity(tmp_path / "resume" / "absent", theirs)  # nothing there: nothing to refuse

@@ -163,11 +163,38 @@ def test_non_finite_loss_fails_the_run_with_its_reason(micro_overrides, micro_ta
     assert error.startswith("FloatingPointError: non-finite training loss at step ") and error.endswith(": nan")
 
 
-# -- Ctrl-C, then the same command again ---------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1], ids=["SIGINT", "SIGUSR1"])
+def test_every_stopping_signal_ends_training_with_a_resume_state(
+    signum, micro_overrides, micro_target, workdir, tmp_path
+):
+    """Ctrl-C and Slurm's `--signal=USR1` stop as SIGTERM does: the step finished, its resume state written, the
+    run KILLED naming the signal, exit 128 + its number; a second signal would stop at once."""
+    overrides = [*micro_overrides, "study=faults", f"seed={4300 + signum}", "train.steps=40", "train.resume_every=5"]
+    cfg = compose([*overrides, *_store(tmp_path)])
+    path = resume.state_dir(cfg, micro_target.fingerprint, aux_layers(cfg))
+    cmd = [sys.executable, "-m", "lab.cli", "run", *overrides, *_store(tmp_path)]
+    err, held = tmp_path / "stderr", tmp_path / "held"
+    with open(err, "w") as e:
+        hold = hold_training({**os.environ, "TQDM_DISABLE": "1"}, 7, held)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=e, env=hold, cwd=workdir, preexec_fn=default_sigint
+        )
+        wait_held(proc, held, err, timeout=150)
+        proc.send_signal(signum)
+        assert proc.wait(timeout=120) == 128 + signum, err.read_text()[-3000:]
+    name = signal.Signals(signum).name
+    assert err.read_text().strip().splitlines()[-1] == f"error: interrupted ({name})"
+    (killed,) = track.search_runs(cfg.tracking.uri, "faults")
+    assert killed.info.status == "KILLED" and killed.data.tags["lab.signal"] == name
+    assert json.loads((path / resume.MANIFEST).read_text())["step"] == 7  # the held step's state, written on the signal
+
+
+# -- a stopping signal (SIGTERM, as a scheduler sends it), then the same command again --------------------------
 
 
 @pytest.mark.slow
-def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides, micro_target, workdir, tmp_path):
+def test_sigterm_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides, micro_target, workdir, tmp_path):
     from lab.pipeline import run
 
     # a seed of its own: the checkpoint key (and folder) differs from every other test's
@@ -182,19 +209,19 @@ def test_ctrl_c_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides,
         hold = hold_training(env, 7, held)
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, env=hold, cwd=workdir, preexec_fn=default_sigint)
         wait_held(proc, held, err, timeout=150)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130, err.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM, err.read_text()[-3000:]
     lines = err.read_text().strip().splitlines()
-    assert lines[-1] == "error: interrupted" and sum(line.startswith("error:") for line in lines) == 1
+    assert lines[-1] == "error: interrupted (SIGTERM)" and sum(line.startswith("error:") for line in lines) == 1
     (killed,) = track.search_runs(cfg.tracking.uri, "faults")
-    assert killed.info.status == "KILLED"
+    assert killed.info.status == "KILLED" and killed.data.tags["lab.signal"] == "SIGTERM"
     manifest = json.loads((path / resume.MANIFEST).read_text())
     assert 5 <= manifest["step"] < manifest["steps"] == 40 and manifest["run_id"] == killed.info.run_id
 
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     step = manifest["step"]
-    assert f"resuming training from step {step} of 40 (checkpoint {path.name})" in again.stdout
+    assert f"resuming training from step {step} of 40 (resume state {path.name})" in again.stdout
     run_id = again.stdout.strip().splitlines()[-1]
     finished = track.get_run(cfg.tracking.uri, run_id)
     assert finished.info.status == "FINISHED"

@@ -337,7 +337,7 @@ def test_worker_subprocesses_start_after_the_shared_caches_are_warm_on_every_cor
 
 
 @pytest.mark.slow
-def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_overrides):
+def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_overrides, monkeypatch):
     path = _write(
         tmp_path,
         "two",
@@ -346,6 +346,7 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
         "  - {metric: drift/in_dist/k3/norm_growth, direction: minimize}\n",
     )
     sweep, extra = search_space.load(str(path)), _store(tmp_path, micro_overrides)
+    _first_trial_waits_for_another_worker(monkeypatch, sweep, extra)
     result = _launch(sweep, extra, workers=2)
     study = _study(sweep, extra)
     assert result.counts["complete"] == 6 and len(study.trials) == 6
@@ -355,6 +356,27 @@ def test_two_workers_share_one_journal_study_without_duplicates(tmp_path, micro_
     runs = _children(extra, result.parent_run_id)
     assert sorted(int(r.data.tags["trial"]) for r in runs) == list(range(6))
     assert len({r.data.params["train.lr"] for r in runs}) == 6 and "Pareto front" in result.summary
+
+
+def _first_trial_waits_for_another_worker(monkeypatch, sweep: Sweep, extra: list[str], timeout: float = 600) -> None:
+    """The launcher's own worker starts its first trial's run once the subprocess worker has taken a trial: how
+    fast a subprocess starts beside the launcher's first trial then decides nothing."""
+    import lab.sweep.trial as trial_module
+
+    real, waited = trial_module.run_one, []
+
+    def run_one(*args, **kwargs):
+        if not waited:
+            waited.append(True)
+            deadline = time.time() + timeout
+            while time.time() < deadline:
+                workers = {t.user_attrs.get("worker") for t in _study(sweep, extra).trials} - {None}
+                if len(workers) > 1:
+                    break
+                time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trial_module, "run_one", run_one)
 
 
 def test_lines_printed_from_two_threads_at_once_never_run_together():
@@ -534,7 +556,10 @@ def test_each_sampled_point_runs_once_per_seed(tmp_path, micro_overrides):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_overrides):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_a_sweep_cleanly_and_the_rerun_finishes_it(signum, tmp_path, micro_overrides):
+    """Ctrl-C in its terminal, or a scheduler's SIGTERM to the job's process group: the interrupted trial is queued
+    again at once (no heartbeat grace), its run KILLED naming the signal, the command exits 128 + the signal."""
     path = _write(
         tmp_path, "ctrlc", "space: {train.lr: [0.003, 0.005]}\nsampler: grid\nobjectives: [eval/in_dist/ref/k3/al]\n"
     )
@@ -549,22 +574,24 @@ def test_ctrl_c_stops_a_sweep_cleanly_and_the_rerun_finishes_it(tmp_path, micro_
     )
     try:
         wait_held(proc, held, log)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in its terminal does
-        assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+        os.killpg(proc.pid, signum)  # what Ctrl-C in its terminal does, or scancel to a job
+        assert proc.wait(timeout=120) == 128 + signum, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert log.read_text().strip().splitlines()[-1] == "error: interrupted"
+    name = signal.Signals(signum).name
+    assert log.read_text().strip().splitlines()[-1] == f"error: interrupted ({name})"
     stopped = _study(sweep, extra).trials
     assert [t.state.name for t in stopped] == ["FAIL", "WAITING", "WAITING"]  # the interrupted one queued again
-    assert stopped[0].user_attrs["error"] == "interrupted" and stopped[2].params == stopped[0].params
+    assert stopped[0].user_attrs["error"] == f"interrupted ({name})" and stopped[2].params == stopped[0].params
     killed_run = stopped[0].user_attrs["mlflow_run_id"]
 
     resumed = _launch(sweep, extra)
     study = _study(sweep, extra)
     assert resumed.counts["complete"] == 2 and sorted(_slots(study)) == [(0, 0), (1, 0)]
     runs = {r.info.run_id: r for r in _children(extra, resumed.parent_run_id)}
-    assert runs[killed_run].info.status == "KILLED" and len(runs) == 3
+    assert runs[killed_run].info.status == "KILLED" and runs[killed_run].data.tags["lab.signal"] == name
+    assert len(runs) == 3
     assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "FINISHED", "KILLED"]
 
 

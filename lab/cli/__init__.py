@@ -14,7 +14,7 @@ import sys
 from types import ModuleType
 from typing import NoReturn
 
-from lab import exit_now
+from lab import exit_now, signals
 from lab.cli.common import HelpNames, Parser, Verb, check_path_args, described, fail
 from lab.cli.registry import COMMANDS, EPILOG, Command, help_names, named_in
 from lab.config import ConfigError
@@ -93,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    try:
-        check_path_args(args)
-        return args.handler(args)
-    except ConfigError as exc:
-        return fail(str(exc))
-    except KeyboardInterrupt:
-        return fail("interrupted", 130)
+    with signals.taken():
+        try:
+            check_path_args(args)
+            return args.handler(args)
+        except ConfigError as exc:
+            return fail(str(exc))
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGUSR1 (lab/signals.py): 128 + the signal's number
+            stop = signals.signal_of(exc)
+            return fail(f"interrupted ({stop.name})", stop.exit_code)

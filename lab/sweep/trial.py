@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from optuna.trial import TrialState
 
 from lab import metrics as metric_keys
-from lab import track
+from lab import signals, track
 from lab.config.composition import compose
 from lab.config.identity import config_hash
 from lab.pipeline import RunHooks
@@ -104,8 +104,8 @@ def run_trial(
             _tag_run(s, trial, "PRUNED")
             log(f"{name}: {stop}")
             return
-        except KeyboardInterrupt:
-            trial.set_user_attr("error", "interrupted")
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGUSR1: queued again at once, not after the grace
+            trial.set_user_attr("error", f"interrupted ({signals.signal_of(exc).name})")
             s.study.tell(trial, state=TrialState.FAIL)
             retry(s, trial, None)  # a rerun picks it up again
             raise

@@ -15,6 +15,7 @@ from typing import TextIO
 
 import torch
 
+from lab import signals
 from lab.config import ConfigError
 
 
@@ -126,10 +127,12 @@ def worker_subprocesses(
     try:
         with contextlib.redirect_stdout(lines) if count else contextlib.nullcontext():
             yield
-    except BaseException:
+    except BaseException as exc:
+        # the signal the launcher got (Ctrl-C's for any other exception): each worker re-enqueues its trial and exits
+        signum = signals.signal_of(exc).signum if isinstance(exc, KeyboardInterrupt) else signal.SIGINT
         for proc, _ in procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # the worker re-enqueues its trial and exits
+                proc.send_signal(signum)
         raise
     finally:
         for proc, reader in procs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import subprocess
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import mlflow
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from lab import signals
 from lab.track import liveness
 from lab.track.queries import _equals
 from lab.track.store import configure, is_server, store_lock
@@ -28,6 +30,8 @@ from lab.track.writers import _writing
 _PARAM_BATCH = 100  # MLflow's limit per log_batch call
 # a server store makes MLflow print two "View run" links per run: the workbench prints its own lines
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+# the system metrics' monitor says when it starts and stops, four lines a run: only its warnings are kept
+logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
 
 
 def ensure_experiment(name: str, artifact_root: str) -> str:
@@ -142,7 +146,9 @@ def _ends_with_status(run: Run) -> Iterator[Run]:
         mlflow.set_tag("stopped", str(stop))
         mlflow.end_run(status="KILLED")
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGUSR1 (lab/signals.py): named in a tag
+        with contextlib.suppress(Exception):
+            mlflow.set_tag("lab.signal", signals.signal_of(exc).name)
         mlflow.end_run(status="KILLED")
         raise
     except BaseException:

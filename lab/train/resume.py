@@ -26,7 +26,19 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lab.fsutil import mismatched_file, sha256_file, short_hash, staging_dir
+from lab import signals
+from lab.config import ConfigError
+from lab.fsutil import (
+    IDENTITY,
+    Identity,
+    entry_name,
+    mismatched_file,
+    read_manifest,
+    sha256_file,
+    short_hash,
+    staging_dir,
+)
+from lab.signals import Interrupted
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json")
@@ -37,12 +49,13 @@ _NOT_IN_KEY = ("resume_every", "log_every", "reuse")
 TRAINING_CODE = ("train", "drafter", "schedule.py", "device.py")
 
 
-def training_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> str:
-    """Everything in the config that determines the trained weights, hashed."""
+def training_identity(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Identity:
+    """Everything in the config that determines the trained weights: what `training_key` hashes, and what a
+    resume state records, so that one moved or copied under another training's key is refused."""
     train = OmegaConf.to_container(cfg.train, resolve=True, enum_to_str=True)
     for k in _NOT_IN_KEY:
         train.pop(k, None)
-    return short_hash(
+    return Identity(
         {
             "format": FORMAT,
             "target": target_fingerprint,
@@ -53,6 +66,24 @@ def training_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]
             "seed": cfg.seed,
         }
     )
+
+
+def training_key(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> str:
+    """Everything in the config that determines the trained weights, hashed."""
+    return training_identity(cfg, target_fingerprint, aux_layers).key()
+
+
+def check_identity(path: Path, identity: Identity) -> None:
+    """Refuse a resume state at `path` that records another identity: another training's progress, moved or copied
+    under this key, which training here from scratch would write over. One that records none is taken as it
+    stands (`load` still checks its hashes, format and steps)."""
+    manifest = read_manifest(path, MANIFEST)
+    wrong = identity.mismatch(manifest)
+    if wrong is not None:
+        own = f"resume/{Identity(manifest[IDENTITY]).key()}"
+        raise ConfigError(
+            "cache_dir", f"resume state {entry_name(path)}: {wrong}; it belongs at {own}: move it there or delete it"
+        )
 
 
 def state_dir(cfg: DictConfig, target_fingerprint: str, aux_layers: list[int]) -> Path:
@@ -103,16 +134,17 @@ class ResumeWriter:
     path: Path
     every: int
     run_id: str | None = None
+    identity: Identity | None = None  # recorded in each state it writes
 
     def due(self, step: int, steps: int, stopping: bool) -> bool:
         """Whether the state after `step` (counted from 1) of `steps` is written."""
         return step % self.every == 0 or step == steps or stopping
 
     def write(self, state: ResumeState) -> None:
-        save(self.path, state)
+        save(self.path, state, self.identity)
 
 
-def save(path: Path, state: ResumeState) -> None:
+def save(path: Path, state: ResumeState, identity: Identity | None = None) -> None:
     """Write `state` to `path`, replacing what is there atomically: staged beside it, flushed, renamed into
     place, so a full disk or a crash leaves the old state (or, killed between its two renames, none: training
     then starts from scratch), never a partial one; a killed write's leftover is removed by the next."""
@@ -135,6 +167,7 @@ def save(path: Path, state: ResumeState) -> None:
             "steps": state.steps,
             "run_id": state.run_id,
             "files": {name: sha256_file(tmp / name) for name in FILES},
+            **({IDENTITY: identity.fields} if identity else {}),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -192,30 +225,32 @@ def discard(path: Path) -> None:
 
 
 class StopRequest:
-    """Ctrl-C while training: the trainer finishes its step, writes a resume state and raises
-    KeyboardInterrupt, so nothing computed is lost; a second Ctrl-C interrupts at once. Only in the
-    main thread and where Ctrl-C has Python's default handler (elsewhere, signals stay as they are)."""
+    """A stopping signal while training (Ctrl-C, SIGTERM, SIGUSR1: lab/signals.py): the trainer finishes its
+    step, writes a resume state and raises `Interrupted`, so nothing computed is lost; a second signal interrupts
+    at once. Only in the main thread and where the process takes those signals as lab sets them (elsewhere,
+    signals stay as they are)."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.signum = signal.SIGINT
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\ninterrupt: stopping after this step (a resume state is written); Ctrl-C again to stop now")
+            raise Interrupted(signum)
+        self.requested, self.signum = True, signum
+        name = signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step (a resume state is written); a second signal stops at once")
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
-        active = (
-            threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
-        if not active:
+        if threading.current_thread() is not threading.main_thread() or not signals.installed():
             yield self
             return
-        signal.signal(signal.SIGINT, self._handle)
+        before = {signum: signal.getsignal(signum) for signum in signals.STOPPING}
+        for signum in signals.STOPPING:
+            signal.signal(signum, self._handle)
         try:
             yield self
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for signum, handler in before.items():
+                signal.signal(signum, handler)

@@ -24,6 +24,7 @@ from lab.data.cache import HiddenStates
 from lab.device import autocast
 from lab.drafter import Eagle3Drafter
 from lab.schedule import warmup_cosine
+from lab.signals import Interrupted
 from lab.train.loss import ttt_loss
 from lab.train.resume import ResumeState, ResumeWriter, StopRequest
 from lab.train.step import LossFn, StepStats
@@ -237,7 +238,7 @@ def train(
             if resume_writer is not None and resume_writer.due(done, tcfg.steps, stopping):
                 resume_writer.write(resumable.state(done, tcfg.steps, resume_writer.run_id))
             if stopping:
-                raise KeyboardInterrupt
+                raise Interrupted(stop.signum)
     bar.close()
     drafter.eval()
     seconds = time.time() - started
