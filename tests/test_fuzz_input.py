@@ -86,6 +86,8 @@ WORK: dict[str, list[str]] = {
     "torchspec-config": ["lab.train.torchspec_config.write"],
     "report": ["lab.report.write"],
     "paper": ["lab.report.paper.measure"],
+    "studies": ["lab.report.listing.studies"],
+    "runs": ["lab.report.listing.runs"],
     "doctor": ["lab.cli.doctor.describe"],
     "ui": ["lab.track.ui_command"],
     "server": ["lab.track.prepare_store"],

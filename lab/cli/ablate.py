@@ -15,15 +15,17 @@ from lab.cli.common import (
     capped_workers,
     integer,
     named,
+    print_arms,
+    print_points,
     reachable,
     worker_mode,
     worker_options,
 )
-from lab.config import redact
 from lab.config.composition import compose
 from lab.sweep.spec_schema import MAX_TRIALS
 
 if TYPE_CHECKING:
+    from lab.sweep.experiment import Experiment
     from lab.sweep.search_space import Sweep
 
 
@@ -34,7 +36,6 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     parent run, then the tables and reports/NAME/report.md. Rerunning the same command resumes: finished runs
     are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.
     """
-    from lab.cli.report import describe_study, load_study, write_report
     from lab.sweep import experiment
 
     worker, overrides = worker_mode(args.overrides)
@@ -42,29 +43,42 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         worker_options(args, "ablate")
     name, extra = named(overrides, "experiment", "lab ablate experiment=drift_2x2", experiment.available())
     exp = experiment.load(name, seeds_arg=args.seeds)
+    if args.cfg:
+        print_arms(exp, extra)
+        return 0
+    seeds = [f"--seeds={args.seeds}"] if args.seeds else []
+    return run_experiment(exp, extra, args, worker, ["ablate", "worker", f"experiment={name}", *seeds])
+
+
+def run_experiment(
+    exp: Experiment, extra: list[str], args: argparse.Namespace, worker: bool, worker_args: list[str]
+) -> int:
+    """An experiment (experiments/NAME.yaml, or `lab run -m`'s) as a grid study on the sweep engine, then its
+    report; as a `worker`, join the study already queued. `worker_args` start more workers."""
+    from lab.cli.report import describe_study, load_study, report_command, write_report
+
     sweep = exp.as_sweep(extra)
     _study_reachable(sweep, extra, every_point=not worker)
     workers = capped_workers(args)
     from lab.sweep import engine  # after the checks: it imports torch, MLflow and Optuna (seconds)
 
+    seeds_arg = getattr(args, "seeds", None)
     if worker:
         engine.join(sweep, extra, progress=not args.no_progress)
-        seeds = [f"--seeds {args.seeds}"] if args.seeds else []
-        overrides = [redact(o) for o in extra]
-        print(f"the study is done; its report: lab report experiment={name} {' '.join(seeds + overrides)}")
+        print(f"the study is done; its report: {report_command(exp, extra, seeds_arg)}")
         return 0
-    describe_study(exp, extra, args.seeds)  # the experiment's page says what it compares while it runs
-    worker_args = ["ablate", "worker", f"experiment={name}"] + ([f"--seeds={args.seeds}"] if args.seeds else [])
+    describe_study(exp, extra, seeds_arg)  # the experiment's page says what it compares while it runs
     result = engine.launch(sweep, extra, worker_args, workers=workers, progress=not args.no_progress)
     if workers == 0:
         print(result.summary)
         return 0
     uri = compose([*exp.overrides, *extra]).tracking.uri
-    rep = write_report(exp, extra, load_study(exp, uri, result.parent_run_id), None, args.seeds)
+    rep = write_report(exp, extra, load_study(exp, uri, result.parent_run_id), None, seeds_arg)
     print(f"\n{rep.main_table()}")
     c = result.counts
+    kind = "ablation" if exp.kind == "ablate" else "multirun"
     print(
-        f"ablation {exp.name}: {c['complete']} of {result.budget} runs finished ({result.ran} in this invocation, "
+        f"{kind} {exp.name}: {c['complete']} of {result.budget} runs finished ({result.ran} in this invocation, "
         f"{result.seconds / 60:.1f} min), {c['failed']} failed; parent run {result.parent_run_id}\n"
         f"report: {rep.path} ({len(rep.tables)} tables, {len(rep.figures)} figures); browse with `lab ui`"
     )
@@ -87,6 +101,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         worker_options(args, "sweep")
     name, extra = named(overrides, "sweep", "lab sweep sweep=toggles_grid", search_space.available())
     sweep = search_space.load(name)
+    if args.cfg:
+        print_points(sweep, extra)
+        return 0
     _study_reachable(sweep, extra, every_point=not worker)
     if not worker:
         sweep.budget(args.trials)
@@ -153,6 +170,7 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--force", action="store_true", help="keep a --workers above the machine's cores")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (stage lines only)")
+    p.add_argument("--cfg", choices=["job"], help="print each arm's (point's) composed config and start nothing")
 
 
 def _ablate_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,19 +22,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     figures as PNG and PDF, and report.md with the provenance. The study is the one the same overrides ran (else
     the newest, said so).
     """
-    from lab import report
     from lab.sweep import experiment, find
 
-    name, extra = named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
-    exp = experiment.load(name, seeds_arg=args.seeds)
-    uri = reachable(compose([*exp.overrides, *extra]).tracking.uri)
-    notes = []  # said once every check has passed: an error is the command's one line
-    sweep = exp.as_sweep(extra)
-    if args.run is not None:
-        parent = find.parent_of(sweep, "experiment", uri, args.run)
+    if any(o.startswith("multirun=") for o in args.overrides):
+        exp, extra, uri, parent = _multirun_study(args)
+        notes = []
     else:
-        parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
-        notes.append(note)
+        name, extra = named(args.overrides, "experiment", "lab report experiment=drift_2x2", experiment.available())
+        exp = experiment.load(name, seeds_arg=args.seeds)
+        uri = reachable(compose([*exp.overrides, *extra]).tracking.uri)
+        parent, notes = _parent(exp, extra, uri, args)
     study = load_study(exp, uri, parent, exp.seeds if args.seeds is not None else None)
     if args.seeds is not None:
         notes.append(find.seeds_found(study, exp.seeds))
@@ -48,6 +45,45 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"figure {f.files[0].with_suffix('')}.{{png,pdf}}")
     print(f"report: {rep.path} (parent run {parent}; also its `report/` artifacts in `lab ui`)")
     return 0
+
+
+def _parent(exp: Any, extra: list[str], uri: str, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The parent run of the experiment's study (`--run`, else the one these overrides ran, else the newest),
+    and a note where it is not the exact one."""
+    from lab import report
+    from lab.sweep import find
+
+    notes = []  # said once every check has passed: an error is the command's one line
+    sweep = exp.as_sweep(extra)
+    if args.run is not None:
+        parent = find.parent_of(sweep, "experiment", uri, args.run)
+    else:
+        parent, note = report.find_parent(uri, sweep.experiment, exp.name, sweep.study_name(extra))
+        notes.append(note)
+    return parent, notes
+
+
+def _multirun_study(args: argparse.Namespace) -> tuple[Any, list[str], str, str]:
+    """`lab report multirun=NAME [tracking...]`: the multirun rebuilt from its parent run's command (the newest
+    study of NAME, or `--run`), its overrides, the store and the parent run id."""
+    from lab import track
+    from lab.sweep import multirun
+
+    name, rest = named(args.overrides, "multirun", "lab report multirun=multirun", [multirun.DEFAULT_NAME])
+    other = [o for o in rest if not o.startswith("tracking.")]
+    if other:
+        raise ConfigError(other[0].split("=", 1)[0], "a multirun's report takes only multirun=NAME and tracking.*")
+    if args.seeds is not None:
+        raise ConfigError("--seeds", "only with experiment=NAME (a multirun's seeds are its seed=... sweep)")
+    uri = reachable(compose(rest).tracking.uri)
+    parents = [p for p in track.study_parents(uri, name, name) if p.data.tags.get("lab.command")]
+    if args.run is not None:
+        parents = [p for p in parents if p.info.run_id == args.run]
+    if not parents:
+        wanted = f"parent run {args.run} of" if args.run else "a study of"
+        raise ConfigError("multirun", f"no {wanted} multirun '{name}' in {redact(uri)}; run `lab run -m ...` first")
+    exp, extra = multirun.from_command(parents[0].data.tags["lab.command"])
+    return exp, extra + rest, uri, parents[0].info.run_id
 
 
 def cmd_paper(args: argparse.Namespace) -> int:
@@ -111,9 +147,20 @@ def load_study(exp: Any, uri: str, parent_run_id: str, only_seeds: list[int] | N
 
 
 def _command(verb: str, exp: Any, extra: list[str], seeds_arg: str | None) -> str:
-    """`lab VERB experiment=NAME [--seeds S] OVERRIDES` as said in a report and the UI (no password)."""
+    """`lab VERB experiment=NAME [--seeds S] OVERRIDES` as said in a report and the UI (no password); a multirun's
+    is `lab run -m ...` (its parent keeps it) and `lab report multirun=NAME` with where it is tracked."""
+    if exp.kind == "multirun":
+        if verb != "report":
+            return exp.description
+        placement = [redact(o) for o in extra if o.startswith("tracking.")]
+        return " ".join(["lab report", f"multirun={exp.name}", *placement])
     seeds = [f"--seeds {seeds_arg}"] if seeds_arg else []
     return " ".join([f"lab {verb}", f"experiment={exp.name}", *seeds, *(redact(o) for o in extra)])
+
+
+def report_command(exp: Any, extra: list[str], seeds_arg: str | None) -> str:
+    """The command that writes the study's report again."""
+    return _command("report", exp, extra, seeds_arg)
 
 
 def write_report(exp: Any, extra: list[str], study: Any, out: str | None, seeds_arg: str | None) -> Any:

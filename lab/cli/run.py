@@ -8,7 +8,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lab import metrics as metric_keys
-from lab.cli.common import Verb, fail, overrides_only, reachable
+from lab.cli.common import (
+    Verb,
+    fail,
+    integer,
+    overrides_only,
+    print_arms,
+    print_config,
+    reachable,
+    worker_mode,
+    worker_options,
+)
 from lab.config.composition import compose
 from lab.preflight import check_paths, check_target, preflight
 
@@ -24,8 +34,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     (vocabulary, hidden size, captured layers) and logged like a trained drafter: its own drafter.* values as
     params, the tags drafter_source and drafter_format, the run's `checkpoint` artifact. Captured layers it does
     not name: drafter.aux_layers, else vLLM's default (2, L//2, L-3).
+
+    -m (Hydra's multirun) runs the cross product of the swept keys' values (`key=a,b`, `range(0,3)`, `choice(..)`)
+    as one study on the sweep engine, as `lab ablate` runs an experiment: a parent MLflow run, a child run per arm
+    and seed (`seed=0,1` sweeps the seeds), resumable by the same command, `--workers` in parallel, its report in
+    reports/NAME/ (`lab report multirun=NAME` again). `lab run -m worker ...` joins it from another process.
+
+    --cfg job prints the composed config, every default filled in, and starts nothing (with -m, each arm's).
     """
+    if args.multirun:
+        return _multirun(args)
     cfg = compose(args.overrides)
+    if args.cfg:
+        print_config(cfg)
+        return 0
     preflight(cfg)
     reachable(cfg.tracking.uri)
     from lab.pipeline import run  # every check has passed: the work starts here
@@ -40,6 +62,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"MLflow run id: {result.run_id}   (store: {cfg.tracking.uri}; browse with `lab ui`)")
     print(result.run_id)
     return 0
+
+
+def _multirun(args: argparse.Namespace) -> int:
+    """`lab run -m`: the swept overrides as an experiment (lab/sweep/multirun.py) on the sweep engine."""
+    from lab.cli.ablate import run_experiment
+    from lab.sweep import multirun
+
+    worker, overrides = worker_mode(args.overrides)
+    if worker:
+        worker_options(args, "run -m")
+    exp, extra = multirun.experiment(overrides, args.name or multirun.DEFAULT_NAME)
+    if args.cfg:
+        print_arms(exp, extra)
+        return 0
+    named = ["--name", args.name] if args.name else []
+    swept = [o for o in overrides if o not in extra]  # the engine adds `extra` to a worker's command itself
+    return run_experiment(exp, extra, args, worker, ["run", "-m", *named, "worker", *swept])
 
 
 def _headline_keys(cfg: DictConfig) -> set[str]:
@@ -74,6 +113,12 @@ def cmd_target_build(args: argparse.Namespace) -> int:
 
 def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. drafter=eagle31 train.ttt_length=5")
+    p.add_argument("-m", "--multirun", action="store_true", help="sweep every key=a,b as one study (see above)")
+    p.add_argument("--name", help="with -m: the study's name (default: multirun)")
+    p.add_argument("--cfg", choices=["job"], help="print the composed config (job) and start nothing")
+    p.add_argument("--workers", type=integer(0), help="with -m: runs in parallel here (default 1)")
+    p.add_argument("--force", action="store_true", help="with -m: keep a --workers above the machine's cores")
+    p.add_argument("--no-progress", action="store_true", help="with -m: no progress bars (stage lines only)")
 
 
 RUN = Verb(
@@ -83,6 +128,8 @@ RUN = Verb(
     "  lab run profile=micro\n"
     "  lab run drafter.checkpoint=/ckpts/torchspec-eagle31 target=hf target.path=/models/llama "
     "eval.backends=[ref,vllm]\n"
-    "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]",
+    "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]\n"
+    "  lab run -m drafter=eagle3,eagle31 seed=0,1 profile=micro --workers 2\n"
+    "  lab run --cfg job drafter=eagle31",
 )
 TARGET_BUILD = Verb(cmd_target_build, overrides_only("Hydra overrides, e.g. target=tiny_code"))

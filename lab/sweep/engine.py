@@ -174,6 +174,7 @@ def launch(
         "git_commit": track.git_commit(),
         "study_kind": sweep.kind,
         **({"baseline": sweep.baseline} if sweep.baseline else {}),
+        **({"lab.command": sweep.description} if sweep.kind == "multirun" else {}),  # `lab report multirun=NAME`
     }
     started = time.time()
     with track.parent_run(t.uri, t.artifact_root, sweep.experiment, f"sweep-{sweep.name}", name, tags) as parent:

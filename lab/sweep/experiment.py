@@ -35,6 +35,12 @@ class Experiment:
     baseline: str
     overrides: list[str] = field(default_factory=list)  # applied to every arm
     figures: list[str] = field(default_factory=list)
+    kind: str = "ablate"  # ablate: experiments/NAME.yaml; multirun: `lab run -m` (lab/sweep/multirun.py)
+
+    @property
+    def source(self) -> str:
+        """Where its arms were written, named in errors."""
+        return f"experiments/{self.name}.yaml" if self.kind == "ablate" else "lab run -m"
 
     def as_sweep(self, extra: list[str]) -> Sweep:
         """The ablation as a grid study: one bundle parameter `arm` x the seeds. Its objective (what the
@@ -43,7 +49,7 @@ class Experiment:
         try:
             cfg = compose([*self.overrides, *first.overrides, *extra])
         except ConfigError as exc:
-            raise blame(exc, f"experiments/{self.name}.yaml point '{first.name}'", extra) from None
+            raise blame(exc, f"{self.source} point '{first.name}'", extra) from None
         e = cfg.eval
         backend = "ref" if "ref" in e.backends else "vllm"
         metric = metric_keys.acceptance_length(e.suites[0], e.num_speculative_tokens[0], backend)
@@ -56,8 +62,8 @@ class Experiment:
             overrides=self.overrides,
             sampler={"name": "grid"},
             seeds=self.seeds,
-            source=f"experiments/{self.name}.yaml",
-            kind="ablate",
+            source=self.source,
+            kind=self.kind,
             baseline=self.baseline,
         )
 

@@ -193,9 +193,10 @@ def open_session(sweep: Sweep, extra: list[str], cfg: DictConfig, create: bool, 
         try:
             study = optuna.load_study(study_name=name, storage=storage, sampler=chosen_sampler, pruner=chosen_pruner)
         except KeyError:
+            starts = {"ablate": f"lab ablate experiment={sweep.name}", "multirun": "lab run -m"}
+            command = starts.get(sweep.kind, f"lab sweep sweep={sweep.name}")
             raise ConfigError(
-                "sweep",
-                f"no study '{name}' in {redact(url)}; start it with `lab sweep sweep={sweep.name}` "
-                "and the same overrides, then join it",
+                sweep.kind if sweep.kind != "ablate" else "experiment",
+                f"no study '{name}' in {redact(url)}; start it with `{command}` and the same overrides, then join it",
             ) from None
     return Session(sweep, extra, url, storage, study, cfg.tracking.uri, "")

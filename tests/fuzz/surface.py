@@ -96,6 +96,7 @@ BASES: dict[str, list[list[str]]] = {
     "ablate": [["experiment=drift_2x2", STORE]],
     "sweep": [["sweep=tpe_eagle3", STORE]],
     "report": [["experiment=drift_2x2", STORE]],
+    "runs": [["experiment=drift_2x2", STORE]],
     "export": [["{root}/drafter", "--out", "{root}/exported", "--format", "native", STORE]],
     "torchspec-config": [["--out", "{root}/ts", STORE]],
     "dashboard": [["--storage", "{root}/mlruns/optuna.journal"]],  # a storage named: no overrides
