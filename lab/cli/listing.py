@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from lab.cli.common import STORE_KEYS, SWEEP_FILE, Verb, reachable
-from lab.config import ConfigError, redact
+from lab.config import redact
 from lab.config.composition import compose
 
 
@@ -63,11 +63,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _store(overrides: list[str]) -> str:
-    """The store that `tracking.*` overrides name; any other override is refused (it picks no study here)."""
-    other = [o for o in overrides if not o.lstrip("+").startswith("tracking.")]
-    if other:
-        key = other[0].split("=", 1)[0]
-        raise ConfigError(key, "lab studies takes only the store's keys (tracking.uri=..., tracking.artifact_root=...)")
+    """The store that the overrides compose (`tracking.uri=...`, or a profile that sets it)."""
     return reachable(compose(list(overrides)).tracking.uri)
 
 

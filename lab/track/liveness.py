@@ -95,8 +95,8 @@ def orphans(uri: str, grace_s: float = GRACE_S) -> list[Orphan]:
     """The store's RUNNING runs whose process is gone (a study's parent excepted: it waits RUNNING for workers
     that another launcher queued for)."""
     db = local_paths(uri)
-    if db is not None and not db.is_file():
-        return []  # nothing recorded; reading must not create an empty store
+    if db is not None and (not db.is_file() or db.stat().st_size == 0):
+        return []  # nothing recorded; reading must not create a store (nor fill an empty file with one)
     configure(uri)
     client = MlflowClient()
     ids = [e.experiment_id for e in every_experiment(client)]
@@ -109,6 +109,8 @@ def orphans(uri: str, grace_s: float = GRACE_S) -> list[Orphan]:
 
 def close(uri: str, found: list[Orphan]) -> None:
     """End each orphan FAILED, tagged `lab.orphaned` with why (a run ended since it was found is left alone)."""
+    if not found:
+        return
     configure(uri)
     client = MlflowClient()
     for o in found:
