@@ -211,11 +211,20 @@ def _journal(key: str, path: Path, rule: PathRule) -> None:
 READERS = {"jsonl": _json_lines, "sqlite": _sqlite, "journal": _journal}
 
 
+def check_postgres_driver(key: str, url: str) -> None:
+    """A PostgreSQL store or storage needs its driver, which only the `postgres` extra installs."""
+    import importlib.util
+
+    if url.startswith(("postgresql", "postgres:")) and importlib.util.find_spec("psycopg") is None:
+        raise ConfigError(key, "a PostgreSQL URL needs its driver, psycopg: expected `pip install -e .[postgres]`")
+
+
 def check_optuna_storage(url: str) -> None:
     """A study's Optuna storage (`tracking.optuna_storage`, or the journal beside the local MLflow database) as
     a file: its kind and, where it is there, its content."""
     from lab.config import OPTUNA_JOURNAL, OPTUNA_SQLITE
 
+    check_postgres_driver("tracking.optuna_storage", url)
     for rule in (OPTUNA_JOURNAL, OPTUNA_SQLITE):
         path = rule.path(url)
         if path is not None:

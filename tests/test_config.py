@@ -559,3 +559,17 @@ def test_a_string_key_refuses_a_value_hydra_would_rewrite(key, value, read):
 def test_a_quoted_or_plain_string_is_taken_as_typed():
     cfg = compose(["study='1e3'", "arm=yes"])
     assert (cfg.study, cfg.arm) == ("1e3", "yes")
+
+
+def test_a_postgres_url_without_its_driver_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from lab.preflight import check_optuna_storage, check_postgres_driver
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "psycopg" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"^tracking.uri: a PostgreSQL URL needs its driver, psycopg: expected `pip"):
+        check_postgres_driver("tracking.uri", "postgresql://lab@db/mlflow")
+    with pytest.raises(ConfigError, match=r"^tracking.optuna_storage: a PostgreSQL URL needs its driver"):
+        check_optuna_storage("postgresql://lab@db/optuna")
+    check_postgres_driver("tracking.uri", "sqlite:///mlruns/mlflow.db")  # others need none

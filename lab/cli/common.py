@@ -174,8 +174,9 @@ def reachable(uri: str) -> str:
     """`uri`, once its MLflow server answers (MLflow's client would retry a dead one for minutes), or once its
     SQLite file is one (lab/preflight.py `check_path`)."""
     from lab import track
-    from lab.preflight import check_path
+    from lab.preflight import check_path, check_postgres_driver
 
+    check_postgres_driver("tracking.uri", uri)
     if (db := SQLITE_STORE.path(uri)) is not None:
         check_path("tracking.uri", SQLITE_STORE, db)
     try:
