@@ -17,6 +17,7 @@ import json
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +42,12 @@ from lab.fsutil import (
 from lab.signals import Interrupted
 
 MANIFEST = "manifest.json"
-FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json")
-FORMAT = 1
+FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json", "best.safetensors")
+FORMAT = 2  # 2: the validation pass's history and, with train.select=best, the best pass's weights
 # keys that change how a run is watched or whether it trains, not the weights it trains
 _NOT_IN_KEY = ("resume_every", "log_every", "reuse")
+# the validation pass only watches a training that keeps its last weights (train.select=last)
+_WATCHING = ("val_prompts", "val_every", "select", "select_k")
 # the code that turns a training's config into weights: lab/ paths, hashed into `drafter_key`
 TRAINING_CODE = ("train", "drafter", "schedule.py", "device.py")
 
@@ -53,7 +56,7 @@ def training_identity(cfg: DictConfig, target_fingerprint: str, aux_layers: list
     """Everything in the config that determines the trained weights: what `training_key` hashes, and what a
     resume state records, so that one moved or copied under another training's key is refused."""
     train = OmegaConf.to_container(cfg.train, resolve=True, enum_to_str=True)
-    for k in _NOT_IN_KEY:
+    for k in _NOT_IN_KEY + (_WATCHING if train.get("select", "last") == "last" else ()):
         train.pop(k, None)
     return Identity(
         {
@@ -124,6 +127,8 @@ class ResumeState:
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)  # every (step, metrics) logged
     run_id: str | None = None
     scaler: dict = field(default_factory=dict)  # float16's GradScaler (its loss scale); empty otherwise
+    validation: dict = field(default_factory=dict)  # the validation pass's passes so far (lab/train/ttt.py)
+    best: dict[str, torch.Tensor] = field(default_factory=dict)  # train.select=best: the best pass's weights
 
 
 @dataclass
@@ -153,12 +158,14 @@ def save(path: Path, state: ResumeState, identity: Identity | None = None) -> No
         opt = {f"{i}.{name}": t.contiguous() for i, s in state.optimizer.items() for name, t in s.items()}
         save_file(opt, str(tmp / "optimizer.safetensors"))
         save_file({"order": state.order, "generator": state.generator}, str(tmp / "data.safetensors"))
+        save_file({k: v.contiguous() for k, v in state.best.items()}, str(tmp / "best.safetensors"))
         info = {
             "cursor": state.cursor,
             "log_every": state.log_every,
             "window": state.window,
             "history": state.history,
             "scaler": state.scaler,
+            "validation": state.validation,
         }
         (tmp / "state.json").write_text(json.dumps(info))
         manifest = {
@@ -214,6 +221,8 @@ def load(path: Path, steps: int) -> ResumeState | None:
             history=[(int(s), m) for s, m in info["history"]],
             run_id=manifest.get("run_id"),
             scaler=info.get("scaler", {}),  # a state.json without one: no loss scale to restore
+            validation=info["validation"],
+            best=load_file(str(path / "best.safetensors")),
         )
     except (SafetensorError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         return refuse(f"unreadable ({type(exc).__name__}: {exc})")
@@ -226,18 +235,24 @@ def discard(path: Path) -> None:
 
 class StopRequest:
     """A stopping signal while training (Ctrl-C, SIGTERM, SIGUSR1: lab/signals.py): the trainer finishes its
-    step, writes a resume state and raises `Interrupted`, so nothing computed is lost; a second signal interrupts
-    at once. Only in the main thread and where the process takes those signals as lab sets them (elsewhere,
-    signals stay as they are)."""
+    step, writes a resume state and raises `Interrupted`, so nothing computed is lost; a second signal (a second or
+    more after the first) interrupts at once. Only in the main thread and where the process takes those signals
+    as lab sets them (elsewhere, signals stay as they are)."""
+
+    SAME_STOP_S = 1.0  # a signal that comes this soon after the first is the same stop, delivered twice
 
     def __init__(self) -> None:
         self.requested = False
         self.signum = signal.SIGINT
+        self._at = 0.0
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
+        # a scheduler's signal to the process group reaches a worker both directly and through its launcher
+        if self.requested and time.monotonic() - self._at > self.SAME_STOP_S:
             raise Interrupted(signum)
-        self.requested, self.signum = True, signum
+        if self.requested:
+            return
+        self.requested, self.signum, self._at = True, signum, time.monotonic()
         name = signal.Signals(signum).name
         print(f"\n{name}: stopping after this step (a resume state is written); a second signal stops at once")
 
