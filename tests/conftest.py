@@ -33,7 +33,8 @@ SAME_WORKER = {
 # are short and follow. With four workers on two cores the order moves the wall little (the cores stay busy while
 # two workers are): with this table the workers of two runs ended within 10 and 24 s of each other.
 GROUP_SECONDS = {
-    "test_vllm": 831, "test_pipeline": 771, "test_concurrency": 748, "test_sweep": 545, "test_scheduler": 400, "test_fuzz_input": 498,
+    "test_vllm": 831, "test_pipeline": 771, "test_concurrency": 748, "test_sweep": 545, "test_fuzz_input": 498,
+    "test_scheduler": 400,
     "test_imported_drafters": 274, "test_atomic_writes": 271, "test_ablate": 172, "test_bad_input": 172,
     "test_reference": 138, "test_fake_cuda": 137, "test_mla_drafter": 134, "test_dashboard": 132, "test_report": 119,
     "test_faults": 119, "test_config": 113, "test_study_transfer": 104, "test_regenerate": 97, "test_cache": 83,
