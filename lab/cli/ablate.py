@@ -35,6 +35,10 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     Run every arm x seed of experiments/NAME.yaml as a grid study of the sweep engine: child MLflow runs of one
     parent run, then the tables and reports/NAME/report.md. Rerunning the same command resumes: finished runs
     are not rerun. `lab ablate worker experiment=NAME` joins a running ablation.
+
+    Before the first run it prints the plan (lab/plan.py): the stages the runs share, once each, then each arm's
+    training and evaluation, each cached, to build or finished, with its size and an estimate where this machine
+    has a rate. --dry-run prints the plan and starts nothing, writing no file.
     """
     from lab.sweep import experiment
 
@@ -58,6 +62,12 @@ def run_experiment(
     from lab.cli.report import describe_study, load_study, report_command, write_report
 
     sweep = exp.as_sweep(extra)
+    if getattr(args, "dry_run", False):
+        _study_checked(sweep, extra, every_point=True)
+        from lab.plan import study_plan
+
+        print(study_plan(sweep, extra))
+        return 0
     _study_reachable(sweep, extra, every_point=not worker)
     workers = capped_workers(args)
     from lab.sweep import engine  # after the checks: it imports torch, MLflow and Optuna (seconds)
@@ -67,6 +77,9 @@ def run_experiment(
         engine.join(sweep, extra, progress=not args.no_progress)
         print(f"the study is done; its report: {report_command(exp, extra, seeds_arg)}")
         return 0
+    from lab.plan import study_plan
+
+    print(study_plan(sweep, extra), flush=True)
     describe_study(exp, extra, seeds_arg)  # the experiment's page says what it compares while it runs
     result = engine.launch(sweep, extra, worker_args, workers=workers, progress=not args.no_progress)
     if workers == 0:
@@ -139,16 +152,23 @@ def _study_reachable(sweep: Sweep, extra: list[str], every_point: bool = False) 
     engine checks them) composes, its drafter.checkpoint fits and its store answers, before the engine is even
     imported."""
     from lab.preflight import check_optuna_storage
+    from lab.sweep import storage
+
+    cfg = _study_checked(sweep, extra, every_point)
+    check_optuna_storage(storage.storage_url(cfg))
+    reachable(cfg.tracking.uri)
+
+
+def _study_checked(sweep: Sweep, extra: list[str], every_point: bool) -> DictConfig:
+    """`_study_reachable`'s checks of the study's points, without opening its stores: its first point's config."""
     from lab.sweep import find, storage  # Optuna's: the sampler and pruner take the spec's options
 
     if every_point:
         cfg = sweep.check(extra)
         storage.sampler(sweep, 0, 0)
         storage.pruner(sweep)
-    else:
-        cfg = find.first_point(sweep, extra, check=_fits)
-    check_optuna_storage(storage.storage_url(cfg))
-    reachable(cfg.tracking.uri)
+        return cfg
+    return find.first_point(sweep, extra, check=_fits)
 
 
 def _fits(cfg: DictConfig) -> None:
@@ -176,6 +196,12 @@ def _study_arguments(p: argparse.ArgumentParser) -> None:
 def _ablate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="[worker] experiment=NAME, then Hydra overrides for every arm")
     p.add_argument("--seeds", help="the seeds to run, e.g. 0,1 (default: the experiment's)")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (each shared stage and arm: cached, to build or finished, its size and time) and start "
+        "nothing",
+    )
     _study_arguments(p)
 
 
@@ -193,8 +219,10 @@ def _ablate_epilog(names: HelpNames) -> str:
     return (
         f"experiments: {names['experiments']}\n"
         "examples:\n  lab ablate experiment=drift_2x2 --workers 2\n"
-        "  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2\n"
-        "  lab ablate experiment=drift_2x2 profile=micro"
+        "  lab ablate experiment=drift_2x2 profile=quick target=tiny_code data=code --seeds 0,1 --workers 2"
+        "   # the demo's\n"
+        "  lab ablate experiment=drift_2x2 profile=micro\n"
+        "  lab ablate experiment=drift_2x2 --dry-run   # what it builds and finds cached, and how long it takes here"
     )
 
 

@@ -93,7 +93,7 @@ def _check_orphans(uri: str, fix: bool) -> None:
 
     found = track.orphans(uri)
     if not found:
-        print("store: no run left RUNNING by a process that is gone")
+        print("orphans: none (no run left RUNNING by a process that is gone)")
         return
     for orphan in found:
         print(f"store: {'closing' if fix else 'orphan'} {orphan.said()}")

@@ -85,10 +85,12 @@ EPILOG = """examples:
   lab run target=hf target.path=/models/my-llama drafter.aux_layers=[2,8,13]
   lab run device=cuda dtype=bfloat16        # on a GPU (the defaults device=auto dtype=auto pick it and bf16)
   lab run drafter.checkpoint=DIR            # evaluate a drafter trained elsewhere (TorchSpec, speculators)
+  lab run --dry-run                         # the plan: each stage cached or to build, its size and time here
   lab target build                          # build (or find) the default target
   lab ablate experiment=drift_2x2           # every arm x seed of experiments/drift_2x2.yaml, resumable
   lab ablate experiment=drift_2x2 profile=micro   # the micro target: the same, in minutes
-  lab ablate experiment=drift_2x2 profile=quick --seeds 0,1 --workers 2   # the demo's quick study
+  lab ablate experiment=drift_2x2 --dry-run # its plan: what the runs share, each arm's training, their time
+  lab ablate experiment=drift_2x2 profile=quick target=tiny_code data=code --seeds 0,1 --workers 2   # the demo's
   lab report experiment=drift_2x2           # its tables, figures and report.md again, from MLflow alone
   lab sweep sweep=toggles_grid --workers 2  # an Optuna study: every trial a child MLflow run, resumable
   lab dashboard sweep=toggles_grid          # watch it in optuna-dashboard on 127.0.0.1:8080

@@ -41,6 +41,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     reports/NAME/ (`lab report multirun=NAME` again). `lab run -m worker ...` joins it from another process.
 
     --cfg job prints the composed config, every default filled in, and starts nothing (with -m, each arm's).
+
+    Before its first stage it prints the plan (lab/plan.py): each stage, whether the cache holds it or it is to
+    build, its size, and an estimate where this machine has a rate (its earlier runs in the store). --dry-run
+    prints the plan and starts nothing, writing no file.
     """
     if args.multirun:
         return _multirun(args)
@@ -49,8 +53,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print_config(cfg)
         return 0
     preflight(cfg)
+    from lab.plan import run_plan  # every check has passed: the heavy imports start here
+
+    if args.dry_run:
+        print(run_plan(cfg))
+        return 0
     reachable(cfg.tracking.uri)
-    from lab.pipeline import run  # every check has passed: the work starts here
+    print(run_plan(cfg), flush=True)
+    from lab.pipeline import run
 
     try:
         result = run(cfg)
@@ -116,6 +126,11 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--multirun", action="store_true", help="sweep every key=a,b as one study (see above)")
     p.add_argument("--name", help="with -m: the study's name (default: multirun)")
     p.add_argument("--cfg", choices=["job"], help="print the composed config (job) and start nothing")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (each stage: cached or to build, its size and time) and start nothing",
+    )
     p.add_argument("--workers", type=integer(0), help="with -m: runs in parallel here (default 1)")
     p.add_argument("--force", action="store_true", help="with -m: keep a --workers above the machine's cores")
     p.add_argument("--no-progress", action="store_true", help="with -m: no progress bars (stage lines only)")
@@ -130,6 +145,7 @@ RUN = Verb(
     "eval.backends=[ref,vllm]\n"
     "  lab run drafter.checkpoint=/ckpts/speculators-eagle3 drafter.aux_layers=[2,16,29]\n"
     "  lab run -m drafter=eagle3,eagle31 seed=0,1 profile=micro --workers 2\n"
-    "  lab run --cfg job drafter=eagle31",
+    "  lab run --cfg job drafter=eagle31\n"
+    "  lab run --dry-run                  # what it builds and finds cached, and how long it takes here",
 )
 TARGET_BUILD = Verb(cmd_target_build, overrides_only("Hydra overrides, e.g. target=tiny_code"))

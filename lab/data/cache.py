@@ -323,19 +323,24 @@ def _capture_heldout(
     )
 
 
-def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> tuple[Sequences, Sequences]:
-    """data=code's (train, held-out) sequences (lab/data/code_data.py `training_sequences`), chosen once and kept in
-    `{cache_dir}/sequences/{key}/`: choosing them renders and encodes every conversation of the corpus split,
-    seconds of every run of a study for the same result. The key hashes the
-    target's fingerprint, the data config and the corpus; an entry that no longer matches its manifest hash, or
-    records another identity, is chosen again."""
-    identity = Identity(
+def sequences_identity(target: Target, dcfg: DictConfig) -> Identity:
+    """What data=code's chosen sequences are keyed by: the target's fingerprint, the data config and the corpus."""
+    return Identity(
         {
             "target": target.fingerprint,
             "data": OmegaConf.to_container(dcfg, enum_to_str=True),
             "corpus": corpus.manifest_hash(corpus.select(dcfg.corpus_bytes)),
         }
     )
+
+
+def code_sequences(target: Target, dcfg: DictConfig, cache_dir: str | Path) -> tuple[Sequences, Sequences]:
+    """data=code's (train, held-out) sequences (lab/data/code_data.py `training_sequences`), chosen once and kept in
+    `{cache_dir}/sequences/{key}/`: choosing them renders and encodes every conversation of the corpus split,
+    seconds of every run of a study for the same result. The key hashes the
+    target's fingerprint, the data config and the corpus; an entry that no longer matches its manifest hash, or
+    records another identity, is chosen again."""
+    identity = sequences_identity(target, dcfg)
     path = Path(cache_dir) / "sequences" / identity.key()
 
     def choose() -> dict:

@@ -16,7 +16,8 @@ import mlflow
 import yaml
 from mlflow.tracking import MlflowClient
 
-from lab.track.store import configure, local_paths
+from lab.track.serving import check_reachable
+from lab.track.store import _schema_head, _schema_version, configure, is_server, local_paths
 
 
 def _equals(field: str, value: str) -> str:
@@ -233,3 +234,36 @@ def run_json(uri: str, run_id: str, path: str) -> dict | None:
         else:
             os.environ[quiet] = before
     return data if isinstance(data, dict) else None
+
+
+@dataclass
+class RunRecord:
+    """A finished run as a plan reads it (lab/plan.py): its params, tags and last metric values."""
+
+    run_id: str
+    params: dict[str, str]
+    tags: dict[str, str]
+    metrics: dict[str, float]
+
+
+def finished_runs(uri: str, tags: dict[str, str] | None = None, newest: int = 500) -> list[RunRecord]:
+    """The newest `newest` FINISHED runs of any experiment carrying `tags`; none where no store is there (or one
+    at another schema) or a server does not answer: a plan (lab/plan.py) reads them for its rates, and it waits on
+    no store and writes none."""
+    if is_server(uri):
+        try:
+            check_reachable(uri)
+        except ValueError:
+            return []
+    elif _schema_head() is None or _schema_version(uri) != _schema_head():
+        return []  # no store there, or one at another schema: reading must create, fill or upgrade none
+    configure(uri)
+    client = MlflowClient()
+    ids = [e.experiment_id for e in every_experiment(client)]
+    query = " and ".join(
+        ["attributes.status = 'FINISHED'", *(_equals(f"tags.`{k}`", v) for k, v in (tags or {}).items())]
+    )
+    if not ids:
+        return []
+    runs = client.search_runs(ids, query, order_by=["attributes.start_time DESC"], max_results=min(newest, PAGE))
+    return [RunRecord(r.info.run_id, dict(r.data.params), dict(r.data.tags), dict(r.data.metrics)) for r in runs]
