@@ -52,7 +52,7 @@ def _sync(device: torch.device) -> None:
 def bare_costs(target, drafter, prompt: list[int], k: int, n: int = 32) -> dict[str, float]:
     """ms of one target forward of 1 and of k + 1 tokens on the prompt's cache, and of one drafter step."""
     model, device = target.model, target.device
-    pre = reference.prefill(model, prompt, drafter.spec.aux_layer_ids)
+    pre = reference.prefill(model, prompt, drafter.spec.aux_layer_ids, "dynamic")  # the dynamic cache's bare costs
     out = {}
     for width in (1, k + 1):
         ids = torch.ones(1, width, dtype=torch.long, device=device)

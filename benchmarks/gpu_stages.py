@@ -1,20 +1,25 @@
 """Every stage's speed on the current device, side by side in one run: greedy generation (regeneration's
 `generator=hf` loop, over the dynamic KV cache and over the static one in CUDA graphs), plain decoding and
-speculative decoding (k = 3, probes on) in the reference decoder, the same rounds replayed (`eval.decoder=replay`:
-the drafter's batched unroll over the target's greedy answers, which are computed once per study), hidden-state
-capture, and training (tokens/s and MFU). Prints a table and appends it to benchmarks/RESULTS.md with the date, the
-card and the command.
+speculative decoding (k = 3, probes on) in the reference decoder over each KV cache (the dynamic one, then the
+static one in CUDA graphs: before and after), the same rounds replayed (`eval.decoder=replay`: the drafter's
+batched unroll over the target's greedy answers, which are computed once per study), hidden-state capture, and
+training (tokens/s and MFU) at SmolLM2's shape and at a Llama-3.1-8B target's drafter shape (4096 wide, 32 heads
+over 8 KV heads, a 32k draft vocabulary of 128k, TTT 3), the latter as it ships, with its step compiled
+(`torch.compile` of the TTT loss) and at a larger batch. Prints a table and appends it to benchmarks/RESULTS.md
+with the date, the card and the command.
 
     .venv/bin/python benchmarks/gpu_stages.py                       # a random SmolLM2-135M-shaped target
     .venv/bin/python benchmarks/gpu_stages.py --target micro        # the micro target (CPU-sized)
     .venv/bin/python benchmarks/gpu_stages.py --small --no-append   # small shapes: checks the script itself
+    .venv/bin/python benchmarks/gpu_stages.py --only training-8b    # one stage (repeatable)
 
-The SmolLM2-shaped target has random weights (nothing to download, the exact shape: 30 layers, 576 wide, 9
-heads over 3 KV heads, 49,152 tokens), so its figures are speed, not quality: greedy generation runs every row
-to its token limit (no eos), and the drafter is untrained (k = 3 rounds rarely accept, so speculative decoding
-is timed at its worst). MFU is the training step's FLOPs (lab/train/flops.py's formula, which
-tests/test_train.py holds to torch's FlopCounterMode; the counter itself refuses grouped-query SDPA on CUDA)
-per second over the card's dense bf16 peak; CPUs have no entry in PEAK_TFLOPS.
+The targets have random weights (nothing to download, the exact shapes: SmolLM2's 30 layers, 576 wide, 9
+heads over 3 KV heads, 49,152 tokens; the 8B shape's embedding and lm_head alone, no decoder layers), so their
+figures are speed, not quality: greedy generation runs every row to its token limit (no eos), and the drafter is
+untrained (k = 3 rounds rarely accept, so speculative decoding is timed at its worst; its goal row reads the AL it
+measured). MFU is the training step's FLOPs (lab/train/flops.py's formula, which tests/test_train.py holds to
+torch's FlopCounterMode; the counter itself refuses grouped-query SDPA on CUDA) per second over the card's dense
+bf16 peak; CPUs have no entry in PEAK_TFLOPS.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import torch
@@ -36,7 +42,7 @@ from omegaconf import OmegaConf
 
 from lab.config import DrafterConfig
 from lab.data.answers import compute_answers
-from lab.device import DTYPES
+from lab.device import DTYPES, autocast
 from lab.drafter import init_drafter
 from lab.eval.probes import DriftProbes
 from lab.eval.reference import speculative_decode, target_decode
@@ -48,6 +54,7 @@ from lab.train.flops import ttt_step_flops
 from lab.train.loss import ttt_loss
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+STAGES = ("generation", "decoding", "capture", "training", "training-8b")
 # dense bf16 tensor-core peaks (TFLOP/s), by the name torch reports
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
 SMOLLM2 = dict(
@@ -55,6 +62,98 @@ SMOLLM2 = dict(
     num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )  # fmt: skip
+
+
+# a Llama-3.1-8B target (the shape users train EAGLE-3 drafters for): its drafter is one decoder layer 4096 wide, 32
+# heads over 8 KV heads, over a 32k draft vocabulary of the target's 128k; `_SMALL` keeps its proportions at a size
+# a CPU trains in seconds (`--small`)
+LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+)  # fmt: skip
+LLAMA31_8B_SMALL = {**LLAMA31_8B, "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 896, "head_dim": 8}
+DRAFT_VOCAB_8B, DRAFT_VOCAB_8B_SMALL = 32000, 1024
+# (kernel of the step, rows a batch): the step as it ships, compiled (torch.compile of the TTT loss and so of its
+# backward), and a larger batch, each measured alike
+TRAIN_8B_VARIANTS = [("eager", 4), ("compiled", 4), ("eager", 16)]
+TRAIN_8B_SEQ, TRAIN_8B_SEQ_SMALL = 2048, 64
+
+
+def shaped_target(config: dict, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
+    """What `init_drafter` reads of a target shaped by the transformers Llama `config` (the config, a random
+    embedding and lm_head on the device), without its decoder layers: a drafter of that shape trains on random
+    captured states without the target in memory."""
+    from transformers import LlamaConfig
+
+    g = torch.Generator(device).manual_seed(0)
+    v, h = config["vocab_size"], config["hidden_size"]
+    embed = torch.randn(v, h, generator=g, device=device, dtype=dtype) * 0.02
+    head = torch.randn(v, h, generator=g, device=device, dtype=dtype) * 0.02
+    return SimpleNamespace(model=SimpleNamespace(config=LlamaConfig(**config)), embed_weight=embed, lm_head_weight=head)
+
+
+def drafter_shape_training(
+    target: SimpleNamespace,
+    draft_vocab: int,
+    seq_len: int,
+    variants: list[tuple[str, int]],
+    device: torch.device,
+    dtype: torch.dtype,
+    steps: int,
+) -> list[tuple[str, str, float, str]]:
+    """One TTT-3 step (loss, backward, AdamW) of a fresh drafter shaped after `target`, on random captured states:
+    per variant (its kernel, `eager` or `compiled`, and its rows), a row of tokens/s and MFU by formula
+    (lab/train/flops.py; none where the card's peak is unknown); a variant that fails gets a row saying how."""
+    from lab.drafter import init_drafter
+
+    config = target.model.config
+    aux_ids = [2, config.num_hidden_layers // 2, config.num_hidden_layers - 3]
+    dcfg = OmegaConf.merge(OmegaConf.structured(DrafterConfig), {"draft_vocab_size": draft_vocab})
+    counts = torch.randint(0, 1000, (config.vocab_size,), generator=torch.Generator().manual_seed(1))
+    drafter = init_drafter(target, dcfg, aux_ids, seed=0, token_counts=counts).train()
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=device.type == "cuda")
+    out = []
+    for kernel, rows in variants:
+        name = f"training, TTT 3, 8B drafter shape ({kernel})"
+        shape = f"{rows} x {seq_len}; {config.hidden_size} wide, draft vocab {draft_vocab:,} of {config.vocab_size:,}"
+        try:
+            tps, note = _train_variant(drafter, opt, target, kernel, rows, seq_len, device, dtype, steps)
+        except Exception as exc:  # noqa: BLE001 - the next variant is measured all the same
+            tps, note = float("nan"), f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        out.append((name, shape, tps, note))
+    return out
+
+
+def _train_variant(drafter, opt, target, kernel: str, rows: int, seq_len: int, device, dtype, steps: int):  # noqa: ANN001
+    """Tokens/s of one variant's step, and its note: MFU by formula, the first step's seconds (its compile)."""
+    from lab.target import chunked_argmax, target_logits
+
+    config = target.model.config
+    g = torch.Generator(device).manual_seed(rows)
+    ids = torch.randint(0, config.vocab_size, (rows, seq_len), generator=g, device=device)
+    aux = torch.randn(rows, seq_len, 3 * config.hidden_size, generator=g, device=device, dtype=dtype)
+    final = torch.randn(rows, seq_len, config.hidden_size, generator=g, device=device, dtype=dtype)
+    in_draft = torch.zeros(config.vocab_size, dtype=torch.bool, device=device)
+    in_draft[drafter.draft_token_ids()] = True
+    top = chunked_argmax(final, lambda h: target_logits(h, target.lm_head_weight))
+    flops = ttt_step_flops(drafter.spec, in_draft[top].cpu(), 3)  # the positions the draft vocabulary can learn
+    loss_fn = torch.compile(ttt_loss) if kernel == "compiled" else ttt_loss
+
+    def step() -> None:
+        with autocast(device, dtype):
+            loss = loss_fn(drafter, ids, aux, final, target.lm_head_weight, 3, 0.8).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    first = _timed(device, step)  # the compile, where compiled
+    seconds = _timed(device, lambda: [step() for _ in range(steps)]) / steps
+    peak, achieved = peak_flops(device), flops / seconds
+    mfu = f"MFU {100 * achieved / peak:.1f} %" if peak else "MFU: no peak known for this device"
+    return rows * seq_len / seconds, f"{mfu} ({achieved / 1e12:.2f} TFLOP/s by formula); first step {first:.1f} s"
 
 
 def _sync(device: torch.device) -> None:
@@ -76,6 +175,14 @@ def host_syncs(device: torch.device, fn) -> int | None:  # noqa: ANN001
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _note(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def per_token(syncs: int | None, tokens: int) -> str:
+    return "" if syncs is None else f"{syncs / max(1, tokens):.1f} host syncs / token"
 
 
 def _timed(device: torch.device, fn) -> float:  # noqa: ANN001
@@ -123,6 +230,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bfloat16 on cuda, else float32")
     parser.add_argument("--small", action="store_true", help="small shapes and few layers: a quick check anywhere")
     parser.add_argument("--no-append", action="store_true", help=f"print only; do not append to {RESULTS.name}")
+    parser.add_argument("--only", choices=STAGES, action="append", help="this stage only (repeatable; default: all)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
@@ -180,44 +288,58 @@ def main() -> int:
             out.append((f"generation (hf, {cache} cache)", f"{gen_rows} rows x {new_tokens} new", tps, note))
         return out
 
+    def decoding_over(cache: str, drafter, dec: list[list[int]]) -> list:  # noqa: ANN001
+        """Plain decoding and k = 3 with probes over one KV cache, warmed up on the first prompt at the timed length
+        (the static cache compiles then, and records its graphs), then its host syncs, then timed."""
+
+        def warm_up() -> None:
+            target_decode(model, dec[0], dec_new, kv_cache=cache)
+            speculative_decode(model, drafter, dec[0], dec_new, 3, kv_cache=cache)
+
+        warm = _timed(device, warm_up)
+        plain_syncs = host_syncs(device, lambda: target_decode(model, dec[0], 16, kv_cache=cache))
+        spec_out: list = []
+        spec_syncs = host_syncs(
+            device, lambda: spec_out.append(speculative_decode(model, drafter, dec[0], 16, 3, kv_cache=cache))
+        )
+        plain = spec = 0.0
+        plain_tokens = spec_tokens = rounds = accepted = 0
+        for prompt in dec:
+            tokens, seconds = target_decode(model, prompt, dec_new, kv_cache=cache)
+            plain, plain_tokens = plain + seconds, plain_tokens + len(tokens)
+            tokens, stats = speculative_decode(model, drafter, prompt, dec_new, 3, DriftProbes(3), kv_cache=cache)
+            spec, spec_tokens = spec + stats.seconds, spec_tokens + len(tokens)
+            rounds, accepted = rounds + stats.rounds, accepted + stats.accepted
+        al = 1 + accepted / max(1, rounds)
+        plain_tps, spec_tps = plain_tokens / plain, spec_tokens / spec
+        bar = plain_tps * al / 1.5
+        goal = f"goal >= plain x AL / 1.5 = {bar:,.0f}: {'met' if spec_tps >= bar else 'not met'}"
+        shape = f"{dec_prompts} prompts x {dec_new}"
+        plain_goal = f"goal >= 400: {'met' if plain_tps >= 400 else 'not met'}" if cache == "static" else ""
+        return [
+            (f"plain decoding ({cache} cache)", f"{shape}, batch 1", plain_tps,
+             _note(per_token(plain_syncs, 16), f"warm-up {warm:.1f} s", plain_goal)),
+            (f"speculative, k=3, probes ({cache} cache)", shape, spec_tps,
+             _note(per_token(spec_syncs, len(spec_out[0][0])), f"AL {al:.2f}", goal)),
+        ]  # fmt: skip
+
     def decoding():
-        # the reference decoder: plain, then k = 3 with probes, on the same prompts
+        # the reference decoder over the dynamic KV cache (before) and the static one in CUDA graphs (after; on a
+        # CPU it runs eagerly), side by side on the same prompts
         drafter = make_drafter().eval()
         dec = torch.randint(0, vocab, (dec_prompts, prompt_len), generator=g).tolist()
-        target_decode(model, dec[0], 4)
-        speculative_decode(model, drafter, dec[0], 4, 3, DriftProbes(3))
-        plain_syncs = host_syncs(device, lambda: target_decode(model, dec[0], 16))
-        spec_out: list = []
-        answers: list = []
-
-        def spec16() -> None:
-            spec_out.append(speculative_decode(model, drafter, dec[0], 16, 3, DriftProbes(3)))
-
-        spec_syncs = host_syncs(device, spec16)
-        plain = spec = 0.0
-        plain_tokens = spec_tokens = 0
-        for prompt in dec:
-            tokens, s = target_decode(model, prompt, dec_new)
-            plain, plain_tokens = plain + s, plain_tokens + len(tokens)
-            tokens, stats = speculative_decode(model, drafter, prompt, dec_new, 3, DriftProbes(3))
-            spec, spec_tokens = spec + stats.seconds, spec_tokens + len(tokens)
-
-        def per_token(syncs: int | None, tokens: int) -> str:
-            return "" if syncs is None else f"{syncs / max(1, tokens):.1f} host syncs / token"
-
+        rows = [*decoding_over("dynamic", drafter, dec), *decoding_over("static", drafter, dec)]
         # eval.decoder=replay on the same prompts: the target's greedy answers (once per study), then the
         # drafter's batched unroll over them, which gives the rounds and probes the decoder above counted
         # warm-up on the same prompts and lengths: the static cache's bucket compiles here, not in the timing
+        answers: list = []
         replay(drafter, compute_answers(target, dec, dec_new + 3, (), aux), [3], 4)
         answers_s = _timed(device, lambda: answers.append(compute_answers(target, dec, dec_new + 3, (), aux)))
         replay_s = _timed(device, lambda: replay(drafter, answers[-1], [3], dec_new))
-        shape = f"{dec_prompts} prompts x {dec_new}"
-        return [
-            ("plain decoding", f"{shape}, batch 1", plain_tokens / plain, per_token(plain_syncs, 16)),
-            ("speculative, k=3, probes", shape, spec_tokens / spec, per_token(spec_syncs, len(spec_out[0][0]))),
-            ("replay, k=3, probes", shape, spec_tokens / replay_s,
-             f"the answers (once per study): {spec_tokens / answers_s:,.0f} tokens/s"),
-        ]  # fmt: skip
+        tokens = dec_prompts * dec_new  # no stop token: each decoding above ran to its limit
+        rows.append(("replay, k=3, probes", f"{dec_prompts} prompts x {dec_new}", tokens / replay_s,
+                     f"the answers (once per study): {tokens / answers_s:,.0f} tokens/s"))  # fmt: skip
+        return rows
 
     def capture_stage():
         # hidden-state capture, in chunks of 64 sequences
@@ -300,10 +422,24 @@ def main() -> int:
         counts = torch.randint(0, 1000, (vocab,), generator=torch.Generator().manual_seed(1))  # any 16,384 tokens
         return init_drafter(target, dcfg, aux, seed=0, token_counts=counts)
 
-    run("generation (hf)", f"{gen_rows} rows x {new_tokens} new", generation)
-    run("decoding", f"{dec_prompts} prompts x {dec_new}", decoding)
-    run("capture", f"{cap_b} x {cap_t}", capture_stage)
-    run("training, TTT 3", f"{train_b} x {train_t}", training)
+    def training_8b():
+        # training at a Llama-3.1-8B target's drafter shape (random weights), each variant side by side
+        small_shape = (LLAMA31_8B_SMALL, DRAFT_VOCAB_8B_SMALL, TRAIN_8B_SEQ_SMALL)
+        config, vocab_8b, seq = small_shape if small else (LLAMA31_8B, DRAFT_VOCAB_8B, TRAIN_8B_SEQ)
+        variants = [(kernel, 2 if small else rows) for kernel, rows in TRAIN_8B_VARIANTS]
+        return drafter_shape_training(shaped_target(config, device, dtype), vocab_8b, seq, variants, device, dtype,
+                                      steps=2 if small else 5)  # fmt: skip
+
+    chosen = set(args.only or STAGES)
+    for stage, (name, shape, fn) in {
+        "generation": ("generation (hf)", f"{gen_rows} rows x {new_tokens} new", generation),
+        "decoding": ("decoding", f"{dec_prompts} prompts x {dec_new}", decoding),
+        "capture": ("capture", f"{cap_b} x {cap_t}", capture_stage),
+        "training": ("training, TTT 3", f"{train_b} x {train_t}", training),
+        "training-8b": ("training, TTT 3, 8B drafter shape", "", training_8b),
+    }.items():
+        if stage in chosen:
+            run(name, shape, fn)
 
     command = "python benchmarks/gpu_stages.py " + shlex.join(sys.argv[1:])
     head = (

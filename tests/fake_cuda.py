@@ -12,7 +12,8 @@ mixes and count host syncs without a GPU (tests/test_fake_cuda.py).
   code that asked for it: reading a value (`.item()`, `bool`/`int`/`float` of a tensor, `.tolist()`, `.cpu()`),
   an op whose output size depends on the data (`nonzero`, boolean-mask indexing, `unique`, `bincount`,
   `torch.equal`, ...), a blocking copy from the CPU to cuda (CUDA's `memcpy_and_sync`: `torch.tensor(...,
-  device=cuda)`, `.to(cuda)`, CPU index tensors) and `torch.cuda.synchronize`. This is the list
+  device=cuda)`, `.to(cuda)`, CPU index tensors), `torch.cuda.synchronize` and waiting for a `torch.cuda.Event`
+  (whose marks are the host's clock here). This is the list
   `torch.cuda.set_sync_debug_mode("warn")` would warn about on a GPU;
 - SDPA takes its math backend, so the block computes real numbers and runs to the end.
 
@@ -51,6 +52,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Iterator
@@ -382,6 +384,21 @@ def fake_cuda(monkeypatch) -> Iterator[Report]:  # noqa: ANN001
     def synchronize(device: object = None) -> None:
         mode.record("synchronize", "torch.cuda.synchronize")
 
+    class Event:
+        """`torch.cuda.Event` on the fake device: a mark of the host's clock; waiting for it is a host sync."""
+
+        def __init__(self, enable_timing: bool = False, **kwargs: object) -> None:
+            self.at = 0.0
+
+        def record(self, stream: object = None) -> None:
+            self.at = time.perf_counter()
+
+        def synchronize(self) -> None:
+            mode.record("synchronize", "torch.cuda.Event.synchronize")
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.at - self.at) * 1000
+
     # torch's device initialisation for a cuda factory call (`torch.zeros(..., device="cuda")`); it skips
     # itself under FakeTensorMode, not under this mode
     monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
@@ -389,6 +406,7 @@ def fake_cuda(monkeypatch) -> Iterator[Report]:  # noqa: ANN001
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 80 << 30))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake CUDA (labelled CPU tensors)")

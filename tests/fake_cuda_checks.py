@@ -27,11 +27,12 @@ from lab.config.composition import compose
 # log), unroll's padded width per later step, the batch's uploads. It was 14 reads and 9 shapes (27 in all)
 # before the loss batched them.
 SYNCS_PER_TRAIN_STEP = {"read": 5, "shape": 5, "upload": 4, "synchronize": 0}
-# one round of the reference decoder: the timing synchronize, one read of the drafts and the target's
-# predictions (greedy rounds keep the committed tokens on the device: the two uploads a round before are gone);
-# once per prompt: its first token read, its context uploaded
-SYNCS_PER_ROUND = {"read": 1, "shape": 0, "upload": 0, "synchronize": 1}
-SYNCS_PER_DECODE = {"read": 1, "shape": 0, "upload": 1, "synchronize": 0}
+# one round of the reference decoder: one read of the drafts and the target's predictions (greedy rounds keep the
+# committed tokens on the device; the drafts and the verification are timed by CUDA events, read at the end); once
+# per prompt: its first token read, its context uploaded, its timing events waited for. The same over the static KV
+# cache (its position moved back on the device, never read)
+SYNCS_PER_ROUND = {"read": 1, "shape": 0, "upload": 0, "synchronize": 0}
+SYNCS_PER_DECODE = {"read": 1, "shape": 0, "upload": 1, "synchronize": 1}
 # (per step, per batch) of regeneration's greedy batch. Dynamic cache: a step reads the tokens (the next input
 # stays on the device) and transformers' mask check (`bool` of a tensor); once per batch: the prompts uploaded,
 # the prefill's second mask check, the kept rows' index when rows finish (twice here). Static cache: no sync a
@@ -247,29 +248,38 @@ def _rounds(report: Report, start: int, stop: int) -> dict[str, int]:
     return counts
 
 
-def test_reference_decoder(loaded, drafter):
-    """`speculative_decode` with drift probes: prefill, then rounds of k drafts and one verification."""
+@pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
+def test_reference_decoder(loaded, drafter, kv_cache):
+    """`speculative_decode` with drift probes: prefill, then rounds of k drafts and one verification, over either
+    KV cache (the static one's forward uncompiled: the fake device has no CUDA graphs); and plain decoding, one
+    host sync a token."""
     from lab.eval.probes import DriftProbes
-    from lab.eval.reference import prefill, speculative_decode
+    from lab.eval.reference import prefill, speculative_decode, target_decode
 
     prompt = list(range(5, 25))
     model = loaded.target.model
     with pytest.MonkeyPatch.context() as mp, fake_cuda(mp) as report:
-        pre = prefill(model, prompt, loaded.layers)
+        pre = prefill(model, prompt, loaded.layers, kv_cache, room=16 + K + 1)
         start = len(report.syncs)
         probes = DriftProbes(K)
         tokens, stats = speculative_decode(model, drafter, prompt, 16, K, probes=probes, prefilled=pre)
         decoding = len(report.syncs)
         curves = probes.curves()
+        before_plain = len(report.syncs)
+        plain, _ = target_decode(model, prompt, 16, prefilled=pre)
+        plain_syncs = len(report.syncs) - before_plain
     _clean(report)
     assert stats.rounds > 0 and len(tokens) == 16 and len(curves["sink_mass"]) == K
     per_round = _rounds(report, start, decoding)
     total = decoding - start
     print(
-        f"\nreference decoder: {len(tokens)} tokens in {stats.rounds} rounds (k={K}): {total} host syncs, "
-        f"{total / len(tokens):.2f} per decoded token, {total / stats.rounds:.2f} per round: {per_round}"
+        f"\nreference decoder ({kv_cache}): {len(tokens)} tokens in {stats.rounds} rounds (k={K}): {total} host "
+        f"syncs, {total / len(tokens):.2f} per decoded token, {total / stats.rounds:.2f} per round: {per_round}; "
+        f"plain decoding: {plain_syncs} host syncs for {len(plain)} tokens"
     )
     print(report.sync_table())
+    assert total <= stats.rounds + sum(SYNCS_PER_DECODE.values())  # at most one host sync a round
+    assert plain_syncs <= len(plain) - 1 + SYNCS_PER_DECODE["read"] + SYNCS_PER_DECODE["upload"]  # one a token
     for kind, bound in SYNCS_PER_ROUND.items():
         most = bound * stats.rounds + SYNCS_PER_DECODE[kind]
         assert per_round[kind] <= most, (

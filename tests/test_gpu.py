@@ -300,6 +300,32 @@ def test_reference_decoder_with_probes(micro_cfg, f32_target, bf16_target):
             assert stats.rounds > 0 and len(probes.curves()["sink_mass"]) == 3
 
 
+def test_the_static_cache_decoder_on_the_device(micro_cfg, f32_target):
+    """The reference decoder over the static KV cache in CUDA graphs (`kv_cache` auto on CUDA) decodes the dynamic
+    cache's tokens and rounds (float32 both), plainly and at k = 1 and 3 from one prefill; a second prompt of the
+    same bucket compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from lab.data.suites import build_suite
+    from lab.drafter import init_drafter
+    from lab.eval.reference import prefill, speculative_decode, target_decode
+
+    model, layers = f32_target.model, aux_layers(micro_cfg)
+    drafter = init_drafter(f32_target, micro_cfg.drafter, layers, seed=1).eval()
+    prompts = build_suite("in_dist", f32_target.tokenizer, micro_cfg).prompts[:2]
+    graphs = None
+    for prompt in prompts:
+        pre = {cache: prefill(model, prompt, layers, cache, room=24 + 4) for cache in ("dynamic", "static")}
+        plain = {c: target_decode(model, prompt, 24, prefilled=pre[c])[0] for c in pre}
+        assert plain["static"] == plain["dynamic"]
+        for k in (1, 3):
+            (dyn, d), (sta, s) = (speculative_decode(model, drafter, prompt, 24, k, prefilled=pre[c]) for c in pre)
+            assert sta == dyn == plain["dynamic"] and (s.rounds, s.accepted_at) == (d.rounds, d.accepted_at)
+        if graphs is None:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_export(micro_cfg, bf16_target, tmp_path):
     """A drafter trained on the device saves, exports (`lab export`: native and speculators) and loads back on
     the CPU, equal."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -280,3 +281,98 @@ def heldout_metrics_of(target, drafter, heldout) -> list[float]:
     cap = capture(target.model, heldout.input_ids, drafter.spec.aux_layer_ids)
     top = target_logits(cap.final, target.lm_head_weight).argmax(-1)
     return rollout_accuracy(drafter, heldout.input_ids, cap.aux, top, 6, heldout.loss_mask)
+
+
+@pytest.fixture
+def traced_static_steps(monkeypatch):
+    """The static cache's step traced whole by dynamo on the CPU (`fullgraph`, as on CUDA), counting its graphs."""
+    import weakref
+
+    from lab.target import static_decode, static_sequence
+
+    graphs: list = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202 - a dynamo backend that runs the graph as traced
+        graphs.append(gm)
+        return gm.forward
+
+    def compile_step(step, device, dynamic):  # noqa: ANN001, ANN202
+        return torch.compile(step, backend=counting, fullgraph=True, dynamic=dynamic)
+
+    monkeypatch.setattr(static_decode, "compile_step", compile_step)
+    monkeypatch.setattr(static_sequence, "_STEPPERS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(static_sequence, "_COMPILED", {})
+    return graphs
+
+
+@pytest.mark.parametrize("drafter_fixture", ["trained_eagle3", "trained_eagle31"])
+def test_the_static_cache_decodes_the_dynamic_caches_tokens_and_rounds(
+    micro_target, prompts, drafter_fixture, request, traced_static_steps
+):
+    """`kv_cache=static` (lab/target/static_sequence.py; float32 on the CPU) decodes what the dynamic cache does:
+    the baseline and every k give the same tokens, rounds and accepted drafts per position, with and without a stop
+    token, from one shared prefill as the evaluation runs them. Its forward traces whole, once for the plain width
+    and once for every k + 1 and every cache length (a long prompt's bucket compiles nothing), and another model
+    of the same shape (the next run's target) reuses it."""
+    drafter, _ = request.getfixturevalue(drafter_fixture)
+    model, layers = micro_target.model, drafter.spec.aux_layer_ids
+    ks = [1, 2, 3, 4, 6, 8]
+    accepted = 0
+    for prompt in [*prompts, prompts[0] * 12]:  # the last one: a cache of 512 positions
+        reference = target_decode(model, prompt, 24, kv_cache="dynamic")[0]
+        stops = [(), (reference[10],)]
+        for stop_ids in stops:
+            pre = {
+                cache: prefill(model, prompt, layers, cache, room=24 + max(ks) + 1) for cache in ("dynamic", "static")
+            }
+            plain = {c: target_decode(model, prompt, 24, prefilled=pre[c], stop_ids=stop_ids)[0] for c in pre}
+            assert plain["static"] == plain["dynamic"]
+            for k in ks:
+                out = {
+                    c: speculative_decode(model, drafter, prompt, 24, k, prefilled=pre[c], stop_ids=stop_ids)
+                    for c in pre
+                }
+                (dyn, dyn_stats), (sta, sta_stats) = out["dynamic"], out["static"]
+                assert sta == dyn == plain["dynamic"]
+                assert (sta_stats.rounds, sta_stats.accepted_at) == (dyn_stats.rounds, dyn_stats.accepted_at)
+                accepted += dyn_stats.accepted
+    assert accepted > 0  # rounds were rejected and accepted: the position moved back and on
+    assert len(traced_static_steps) == 2
+    want = target_decode(model, prompts[0], 24, kv_cache="dynamic")[0]
+    assert speculative_decode(copy.deepcopy(model), drafter, prompts[0], 24, 3, kv_cache="static")[0] == want
+    assert len(traced_static_steps) == 2
+
+
+def test_a_static_prefill_taken_by_another_prompt_fills_its_cache_again(
+    micro_target, trained_eagle3, prompts, traced_static_steps
+):
+    """A bucket holds one prompt: a static prefill whose cache another prompt's prefill took since, or that lacks
+    the room a decoding needs, runs the prompt's forward again and decodes what it would have."""
+    (drafter, _), model = trained_eagle3, micro_target.model
+    layers = drafter.spec.aux_layer_ids
+    first, second = prompts[0], prompts[1]
+    want = speculative_decode(model, drafter, first, 24, 3, kv_cache="dynamic")[0]
+    pre = prefill(model, first, layers, "static", room=40)
+    prefill(model, second, layers, "static", room=40)  # the same bucket, another prompt
+    assert speculative_decode(model, drafter, first, 24, 3, prefilled=pre)[0] == want
+    long = (first * 8)[:250]
+    short = prefill(model, long, layers, "static", room=0)  # a bucket of 256 positions: no room for 24 more
+    assert short.static.bucket.length == 256
+    long_want = speculative_decode(model, drafter, long, 24, 3, kv_cache="dynamic")[0]
+    assert speculative_decode(model, drafter, long, 24, 3, prefilled=short)[0] == long_want
+    assert short.static.bucket.length == 512
+
+
+def test_sampled_decoding_over_the_static_cache(micro_cfg, micro_target, prompts):
+    """At temperature > 0 the static cache draws what the dynamic one draws from the same seeded generator."""
+    drafter = init_drafter(micro_target, micro_cfg.drafter, aux_layers(micro_cfg), seed=3).eval()
+    model = micro_target.model
+    for cache in ("dynamic", "static"):
+        gen = torch.Generator().manual_seed(5)
+        plain = target_decode(model, prompts[0], 16, 0.9, gen, kv_cache=cache)[0]
+        tokens, stats = speculative_decode(
+            model, drafter, prompts[0], 16, 3, temperature=0.9, generator=gen, kv_cache=cache
+        )
+        if cache == "dynamic":
+            want = (plain, tokens, stats.rounds, stats.accepted_at)
+    assert (plain, tokens, stats.rounds, stats.accepted_at) == want

@@ -348,3 +348,31 @@ def test_the_static_kv_cache_gives_the_dynamic_caches_tokens(micro_target, monke
         model, long, limits[1:4], eos, "dynamic"
     )
     assert len(graphs) == 1
+
+
+def test_a_cut_at_regenerate_seconds_keeps_the_finished_chunks_for_every_later_call(
+    micro_target, chat, tmp_path, monkeypatch
+):
+    """`seconds` (data.regenerate_seconds) stops starting training conversations (those before splits[0]) that
+    long after regeneration began: the chunks that finished are the result, in order, the held-out split whole.
+    The cut is recorded: a later call with the same seconds gets the same conversations without running the
+    target, also after an uncut call has regenerated the rest, which another number of seconds then finds."""
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(regen, "_now", lambda: next(ticks))  # one tick a look: the cut falls at b's first turn
+    cut = run(micro_target, chat, tmp_path, chunk_size=1, splits=(4,), seconds=3)
+    assert [c.id for c in cut.conversations] == ["a", "e"] and cut.dropped == 3
+    assert cut.stats["cut_dropped"] == 3 and cut.stats["cut_seconds"] == 3
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the target ran for a recorded cut")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(micro_target.model, "forward", forbidden)
+        again = run(micro_target, chat, tmp_path, chunk_size=1, splits=(4,), seconds=3)
+    assert again.conversations == cut.conversations and again.stats["hit"] is True and again.dropped == 3
+    whole = run(micro_target, chat, tmp_path, chunk_size=1, splits=(4,))  # uncut: the rest regenerated
+    assert [c.id for c in whole.conversations] == ["a", "b", "c", "d", "e"] and whole.dropped == 0
+    assert [whole.conversations[i] for i in (0, 4)] == cut.conversations
+    assert run(micro_target, chat, tmp_path, chunk_size=1, splits=(4,), seconds=3).conversations == cut.conversations
+    other = run(micro_target, chat, tmp_path, chunk_size=1, splits=(4,), seconds=10_000)
+    assert other.conversations == whole.conversations and other.stats["hit"] is True

@@ -4,12 +4,15 @@ lab study export: one study of `lab ablate experiment=NAME` or `lab sweep sweep=
 overrides ran, else the newest; --run picks one) into one .tar.gz: the parent and child runs with their tags,
 params, every metric's history, dataset inputs and artifacts (per-prompt records, suites, config, report),
 checked by a manifest of sha256 hashes. Drafter checkpoints only with --with-checkpoints, the Optuna study only
-with --with-optuna. Written atomically; its size is printed.
+with --with-optuna, the study's small cache entries (its regenerations; its answers and held-out states where each
+fits --cache-limit) only with --with-caches. Written atomically; its size is printed.
 
 lab study import ARCHIVE: those runs into the store of tracking.uri / tracking.artifact_root (and the Optuna
 study into its storage), after checking the whole archive: a damaged archive, or one of an unknown schema
 version, is refused in one line and nothing is written. Runs already there (imported before, tagged
-lab.imported_from) are skipped, so importing twice changes nothing.
+lab.imported_from) are skipped, so importing twice changes nothing. Cache entries the archive carries are restored
+into cache_dir where it has none, so that the same `lab ablate` command resumes the study there without paying
+those stages again (--no-caches leaves them).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from lab.cli.common import STORE_KEYS, SWEEP_FILE, Verb, path_type, reachable
@@ -76,11 +80,13 @@ def cmd_study_export(args: argparse.Namespace) -> int:
                 "storage the study ran with (tracking.optuna_storage)",
             )
     from lab.track import study_archive
+    from lab.track.study_archive import caches
 
     if note:
         print(f"note: {note}", file=sys.stderr)
     study = {"kind": kind, "name": sweep.name, "experiment": sweep.experiment, "optuna_study": study_name}
     study["overrides"] = [redact(o) for o in extra]
+    cached = _study_caches(uri, parent_id, Path(cfg.cache_dir), args.cache_limit) if args.with_caches else None
     with tempfile.TemporaryDirectory(prefix="lab-optuna-") as tmp:
         files, optuna = {}, None
         if url is not None:
@@ -90,7 +96,11 @@ def cmd_study_export(args: argparse.Namespace) -> int:
             trials = optuna_archive.dump(url, study_name, journal)
             files = {"optuna/study.journal": journal}
             optuna = {"study": study_name, "file": "optuna/study.journal", "trials": trials}
-        done = study_archive.export_study(uri, parent_id, out, study, args.with_checkpoints, files, optuna)
+        listed = None
+        if cached is not None:
+            files |= caches.member_files(Path(cfg.cache_dir), cached.carried)
+            listed = caches.describe(cached.carried)
+        done = study_archive.export_study(uri, parent_id, out, study, args.with_checkpoints, files, optuna, listed)
     size = done.bytes / 1024
     said = f"{size:.1f} KiB" if size < 1024 else f"{size / 1024:.1f} MiB"
     print(
@@ -99,9 +109,60 @@ def cmd_study_export(args: argparse.Namespace) -> int:
     )
     if done.checkpoints_left_out:
         print(f"  left out: {done.checkpoints_left_out} checkpoint files (--with-checkpoints carries them)")
+    if cached is not None:
+        print(cached.summary(args.cache_limit))
     print(f"archive: {out} ({said}, {done.bytes} bytes)")
     print(f"import it elsewhere with: lab study import {out.name} [tracking.uri=... tracking.artifact_root=...]")
     return 0
+
+
+@dataclass
+class _Cached:
+    """The study's cache entries an export carries, and those over the limit it leaves out."""
+
+    carried: list
+    larger: list
+
+    def summary(self, limit_mib: float) -> str:
+        said = ", ".join(f"{e.name} ({_size(e.bytes)})" for e in self.carried) or "none"
+        total = _size(sum(e.bytes for e in self.carried))
+        text = f"  caches: {len(self.carried)} entries, {total}: {said}"
+        if self.larger:
+            over = ", ".join(f"{e.name} ({_size(e.bytes)})" for e in self.larger)
+            text += f"\n  left out, each over --cache-limit {limit_mib:g} MiB: {over}"
+        return text
+
+
+def _study_caches(uri: str, parent_id: str, cache_dir: Path, limit_mib: float) -> _Cached:
+    """The entries of `cache_dir` made with the study's targets (its runs' `target` tags), by size."""
+    from lab import track
+    from lab.track.study_archive import caches
+
+    if not limit_mib > 0:
+        raise ConfigError("--cache-limit", f"expected a size in MiB above 0, got {limit_mib:g}")
+    runs = [*track.child_runs(uri, parent_id)]
+    targets = {r.data.tags["target"] for r in runs if "target" in r.data.tags}
+    return _Cached(*caches.study_entries(cache_dir, targets, int(limit_mib * 2**20)))
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
+
+
+def _restore_caches(archive, cache_dir: Path) -> str:  # noqa: ANN001 - a study_archive.Archive
+    """The archive's cache entries restored into `cache_dir` (those it lacks); what to say about it."""
+    from lab.track.study_archive import caches
+
+    try:
+        entries = caches.listed(archive.manifest)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError("ARCHIVE", f"{archive.path}: {exc}") from None
+    if not entries:
+        return ""
+    restored, kept = caches.restore(archive.folder, entries, cache_dir)
+    said = ", ".join(e.name for e in restored) or "none"
+    there = f"; {len(kept)} already there, kept" if kept else ""
+    return f"caches into {cache_dir}: restored {len(restored)} of {len(entries)} ({said}){there}"
 
 
 def cmd_study_import(args: argparse.Namespace) -> int:
@@ -153,6 +214,7 @@ def cmd_study_import(args: argparse.Namespace) -> int:
                 optuna_said = f"; Optuna study {name} ({trials} trials) " + (
                     f"into {redact(url)}" if written else f"already in {redact(url)}"
                 )
+            caches_said = "" if args.no_caches else _restore_caches(archive, Path(cfg.cache_dir))
     except study_archive.ArchiveError as exc:
         raise ConfigError("ARCHIVE", f"{path}: {exc}") from None
     study = archive.study
@@ -162,6 +224,8 @@ def cmd_study_import(args: argparse.Namespace) -> int:
         f"{replaced}){optuna_said}"
     )
     kind, name = study.get("kind", "experiment"), study.get("name", "?")
+    if caches_said:
+        print(caches_said)
     print(f"study {study.get('optuna_study', '?')}: parent run {result.parent_run_id}")
     if kind == "experiment":
         store = " ".join(redact(o) for o in args.overrides if o.startswith("tracking."))
@@ -179,12 +243,28 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--with-checkpoints", action="store_true", help="carry the drafter checkpoints (`checkpoint/` artifacts) too"
     )
+    p.add_argument(
+        "--with-caches",
+        action="store_true",
+        help="carry the study's small cache entries too (its regenerations; its answers and held-out states where "
+        "they fit), which `lab study import` restores, so that the study resumed elsewhere pays no stage again",
+    )
+    p.add_argument(
+        "--cache-limit",
+        type=float,
+        default=16.0,
+        metavar="MIB",
+        help="with --with-caches: the largest cache entry carried, in MiB (default 16)",
+    )
 
 
 def _import_arguments(p: argparse.ArgumentParser) -> None:
     archive = path_type(PathRule("file", "archive"))
     p.add_argument("archive", type=archive, metavar="ARCHIVE", help="a .tar.gz written by `lab study export`")
-    p.add_argument("overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=...")
+    p.add_argument(
+        "overrides", nargs="*", help="the destination: tracking.uri=..., tracking.artifact_root=..., cache_dir=..."
+    )
+    p.add_argument("--no-caches", action="store_true", help="do not restore the archive's cache entries (if any)")
 
 
 EXPORT = Verb(

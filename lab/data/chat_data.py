@@ -104,8 +104,16 @@ def chat_data(
             threads=threads,
             dtype=dtype,
             kv_cache=kv_cache,
+            seconds=dcfg.get("regenerate_seconds"),
         )
-        train, heldout = result.conversations[: len(train)], result.conversations[len(train) :]
+        kept = len(train) - result.dropped  # cut at data.regenerate_seconds: the training chunks that finished
+        if kept == 0:
+            raise ConfigError(
+                "data.regenerate_seconds",
+                f"regeneration finished no training conversation in {dcfg.regenerate_seconds:g} s; expected more "
+                "seconds, or null to regenerate them all",
+            )
+        train, heldout = result.conversations[:kept], result.conversations[kept:]
         stats.update(
             {metric_keys.data_regen(k): float(v) for k, v in result.stats.items() if isinstance(v, (int, float))}
         )

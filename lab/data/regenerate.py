@@ -40,6 +40,7 @@ class RegenResult:
     stats: dict  # hit, backend, generated_tokens, seconds, tokens_per_s, chunks_generated, ...
     path: Path | None = None
     cut: dict[str, str] = field(default_factory=dict)  # conversation id -> why it ends early (seq_len, empty)
+    dropped: int = 0  # conversations of the first split left out at `seconds` (their chunks unfinished)
 
 
 def chat_identity(chat: Any) -> Any:
@@ -103,6 +104,7 @@ def regenerate(
     chunk_size: int = CHUNK_CONVERSATIONS,
     splits: tuple[int, ...] = (),
     kv_cache: str = "auto",
+    seconds: float | None = None,
 ) -> RegenResult:
     """`conversations` (same ids, same order) with every assistant turn the target's greedy answer; from the
     cache when the entry is complete. Up to `chunk_size` turns are under way at once, more where the generator
@@ -130,36 +132,43 @@ def regenerate(
     processes from regenerating the same entry at once. No chunk straddles an index in `splits` (where one
     selection ends and the next begins), so each selection's chunks are the same whatever follows it. `dtype`
     is vLLM's (the hf backend runs the loaded model as it is, and the key records that model's dtype
-    instead); `kv_cache` is the hf backend's, which the key leaves out (both caches give the same tokens)."""
+    instead); `kv_cache` is the hf backend's, which the key leaves out (both caches give the same tokens).
+
+    With `seconds`, regeneration is cut that long after it began: no conversation before `splits[0]` (the
+    training split) starts after it, those under way are left, and the result holds the chunks that finished,
+    in order (`dropped` counts what was left out); the rest of the selection (the held-out split) is regenerated
+    whole. The manifest records the cut (`cuts`, by the selection and `seconds`), so that every later call with
+    the same selection and `seconds` (another arm of a study, the same study resumed elsewhere from a copied
+    cache) has exactly these conversations, and regenerates nothing."""
     conversations = list(conversations)
+    deadline = None if seconds is None else _now() + seconds
     backend = resolve_backend(backend)
     gen_dtype = resolve_dtype(dtype) if backend == "vllm" else str(target.model.dtype).removeprefix("torch.")
     identity = regen_identity(target, chat, max_new_tokens, seq_len, backend, gen_dtype, chunk_size)
     path = Path(cache_dir) / "regen" / identity.key()
     edges = sorted({0, len(conversations), *splits})
-    chunks = [
-        conversations[i : min(i + chunk_size, end)]
-        for start, end in itertools.pairwise(edges)
-        for i in range(start, end, chunk_size)
-    ]
+    chunks = [conversations[start:end] for start, end in _chunk_edges(edges, chunk_size)]
     names = [_part_name(chunk) for chunk in chunks]
+    cut = Cut(names, seconds, [end <= splits[0] for _, end in _chunk_edges(edges, chunk_size)] if splits else [])
     started = time.time()
     run = {"generated_tokens": 0, "generation_seconds": 0.0, "chunks_generated": 0}
 
     manifest = _verified(path, identity)
-    hit = _complete(manifest, names)
+    hit = _complete(manifest, cut.wanted(manifest))
     if not hit:
         with file_lock(path.with_suffix(".lock")):
             manifest = _verified(path, identity)  # another process may have finished (some of) it while we waited
-            hit = _complete(manifest, names)
+            hit = _complete(manifest, cut.wanted(manifest))
             if not hit:
                 manifest = _build(
-                    target, chunks, names, chat, path, identity, manifest, run, max_new_tokens, seq_len, backend,
-                    gen_dtype, threads, progress, pool=chunk_size, kv_cache=kv_cache,
+                    target, chunks, cut, chat, path, identity, manifest, run, max_new_tokens, seq_len, backend,
+                    gen_dtype, threads, progress, pool=chunk_size, kv_cache=kv_cache, deadline=deadline,
                 )  # fmt: skip
-    parts = [manifest["parts"][name] for name in names]
+    kept = cut.wanted(manifest)
+    parts = [manifest["parts"][name] for name in kept]
     records = [r for part in parts for r in _read_part(path, part)]
-    if [r["id"] for r in records] != [c.id for c in conversations]:
+    expected = [c.id for chunk, name in zip(chunks, names, strict=True) if name in kept for c in chunk]
+    if [r["id"] for r in records] != expected:
         raise RuntimeError(f"regeneration cache {path}: stored conversation ids differ from the requested ones")
     out = [Conversation(r["id"], tuple(r["messages"])) for r in records]
     seconds = run["generation_seconds"]
@@ -178,14 +187,60 @@ def regenerate(
         "total_generated_tokens": sum(p["generated_tokens"] for p in parts),
         "total_generation_seconds": sum(p["seconds"] for p in parts),
     }
-    cut = {r["id"]: r["cut"] for r in records if r["cut"]}
-    stats["cut_seq_len"] = sum(v == "seq_len" for v in cut.values())
-    stats["cut_empty"] = sum(v == "empty" for v in cut.values())
-    return RegenResult(out, stats, path, cut)
+    ended = {r["id"]: r["cut"] for r in records if r["cut"]}
+    stats["cut_seq_len"] = sum(v == "seq_len" for v in ended.values())
+    stats["cut_empty"] = sum(v == "empty" for v in ended.values())
+    dropped = len(conversations) - len(out)
+    if cut.seconds is not None:
+        stats["cut_seconds"], stats["cut_dropped"] = cut.seconds, dropped
+        if dropped:
+            said = f"{len(out)} of {len(conversations)} conversations"
+            print(f"regenerate: cut at {cut.seconds:g} s (data.regenerate_seconds): {said}", flush=True)
+    return RegenResult(out, stats, path, ended, dropped)
+
+
+def _now() -> float:
+    """The clock of `seconds`: monotonic, whatever the wall clock does."""
+    return time.monotonic()
+
+
+def _chunk_edges(edges: list[int], chunk_size: int) -> list[tuple[int, int]]:
+    """The (start, end) of each chunk: `chunk_size` conversations, none straddling one of `edges`."""
+    return [
+        (i, min(i + chunk_size, end)) for start, end in itertools.pairwise(edges) for i in range(start, end, chunk_size)
+    ]
 
 
 def _part_name(chunk: list[Conversation]) -> str:
     return f"part_{conversations_hash(chunk)[:16]}.jsonl"
+
+
+@dataclass
+class Cut:
+    """Which chunks of a selection a call wants: all of them, or with `seconds` those a cut at that time kept.
+    `cuttable[i]`: chunk i belongs to the split a cut may leave unfinished (the training split)."""
+
+    names: list[str]  # every chunk's part, in the selection's order
+    seconds: float | None
+    cuttable: list[bool]
+
+    @property
+    def key(self) -> str:
+        """The cut's entry in the manifest's `cuts`: the selection's parts and the seconds."""
+        return short_hash([self.names, self.seconds], n=16)
+
+    def wanted(self, manifest: dict | None) -> list[str]:
+        """The parts this call reads: those of a cut recorded for it, else every one."""
+        record = (manifest or {}).get("cuts", {}).get(self.key) if self.seconds is not None else None
+        return self.names if record is None else [n for n in self.names if n in set(record["parts"])]
+
+    def may_drop(self, index: int) -> bool:
+        return self.seconds is not None and bool(self.cuttable) and self.cuttable[index]
+
+    def record(self, manifest: dict, dropped: set[int]) -> None:
+        """Note in `manifest` the parts kept when the chunks `dropped` were left unfinished."""
+        kept = [name for i, name in enumerate(self.names) if i not in dropped]
+        manifest.setdefault("cuts", {})[self.key] = {"seconds": self.seconds, "parts": kept}
 
 
 def _verified(path: Path, identity: Identity | None = None) -> dict | None:
@@ -220,8 +275,8 @@ def _read_part(path: Path, part: dict) -> list[dict]:
 
 
 def _build(
-    target, chunks, names, chat, path, identity, manifest, run, max_new_tokens, seq_len, backend, dtype, threads,
-    progress, pool, kv_cache,
+    target, chunks, cut, chat, path, identity, manifest, run, max_new_tokens, seq_len, backend, dtype, threads,
+    progress, pool, kv_cache, deadline,
 ) -> dict:  # fmt: skip
     path.mkdir(parents=True, exist_ok=True)
     manifest = manifest or {
@@ -235,6 +290,7 @@ def _build(
         IDENTITY: identity.fields,
         "parts": {},
     }
+    names = cut.names
     todo = [i for i, name in enumerate(names) if name not in manifest["parts"]]
     if not todo:  # nothing to generate (no conversations): no reason to start an engine
         _write_manifest(path, manifest)
@@ -267,9 +323,32 @@ def _build(
         ) as generate,
     ):
         last = time.perf_counter()  # the engine's start-up is no part's time
+        stop = Stop(deadline, [cut.may_drop(i) for i in todo])
         _regenerate(generate, chat, target.tokenizer, [chunks[i] for i in todo], max_new_tokens, seq_len,
-                    max(pool, generate.rows(seq_len)), lambda k, records: publish(todo[k], records), bar)  # fmt: skip
+                    max(pool, generate.rows(seq_len)), lambda k, records: publish(todo[k], records), bar,
+                    stop)  # fmt: skip
+    if stop.dropped:
+        cut.record(manifest, {todo[k] for k in stop.dropped})
+        _write_manifest(path, manifest)
     return manifest
+
+
+@dataclass
+class Stop:
+    """When regeneration stops starting conversations (`deadline`, on `_now`'s clock), and of which
+    chunks (`droppable`); `dropped` holds the chunks it left unfinished."""
+
+    deadline: float | None
+    droppable: list[bool]
+    dropped: set[int] = field(default_factory=set)
+
+    def due(self) -> bool:
+        return self.deadline is not None and _now() >= self.deadline
+
+    def drop(self, left: list[int]) -> None:
+        """Leave every droppable chunk with conversations still to finish (`left`), once."""
+        self.dropped = {k for k, n in enumerate(left) if n and self.droppable[k]}
+        self.deadline = None
 
 
 def _publish_part(path: Path, manifest: dict, name: str, records: list[dict], seconds: float) -> int:
@@ -303,10 +382,13 @@ def _regenerate(
     pool: int,
     publish: Callable[[int, list[dict]], None],
     bar: Any = None,
+    stop: Stop | None = None,
 ) -> None:
     """Every chunk's records ({id, messages, generated_tokens, cut}), handed to `publish(chunk index, records)`
     as the chunk's last conversation ends, with up to `pool` turns under way at once: conversations already
-    under way take a free place first, then the next one in order."""
+    under way take a free place first, then the next one in order. Once `stop` is due, the chunks it may drop
+    that have not finished are left: none of their turns is asked for again."""
+    stop = stop or Stop(None, [])
     states = [[_state(c) for c in chunk] for chunk in chunks]
     waiting = deque((k, s) for k, chunk in enumerate(states) for s in chunk)  # not yet started
     ready: deque = deque()  # under way, their next turn to ask for
@@ -314,6 +396,10 @@ def _regenerate(
     running: dict[int, tuple[int, dict]] = {}  # request id -> (chunk, conversation)
     next_id = 0
     while waiting or ready or running:
+        if stop.due():
+            stop.drop(left)
+            waiting = deque(item for item in waiting if item[0] not in stop.dropped)
+            ready = deque(item for item in ready if item[0] not in stop.dropped)
         add = {}
         while len(running) < pool and (ready or waiting):
             k, s = (ready or waiting).popleft()
@@ -331,7 +417,8 @@ def _regenerate(
         for key, ids in sorted(generate.stream(add).items()):
             k, s = running.pop(key)
             _answer(s, tokenizer.decode(ids, skip_special_tokens=True).strip(), len(ids), bar)
-            ready.append((k, s))
+            if k not in stop.dropped:
+                ready.append((k, s))
 
 
 def _state(conversation: Conversation) -> dict:

@@ -52,11 +52,12 @@ class EvalOptions:
     temperature: float = 0.0  # 0 = greedy; > 0 = lossless speculative sampling (the decoder only)
     seed: int = 0  # of the generator the decoder samples from
     timed_prompts: int = 0  # replayed suites: how many prompts the decoder times (`timed_prompts`); 0: none
+    kv_cache: str = "auto"  # the target's KV cache in the decoder (the config's `kv_cache`: auto is static on CUDA)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> EvalOptions:
-        e = cfg.eval
-        return cls(list(e.num_speculative_tokens), e.probes, e.n_sink, e.temperature, cfg.seed, e.timed_prompts)
+        e, cache = cfg.eval, str(getattr(cfg.kv_cache, "value", cfg.kv_cache))
+        return cls(list(e.num_speculative_tokens), e.probes, e.n_sink, e.temperature, cfg.seed, e.timed_prompts, cache)
 
 
 def prompt_id(tokens: list[int]) -> str:
@@ -201,10 +202,13 @@ def _decode(
     prompt drawing from one generator seeded with `options.seed`."""
     if not indices:
         return {}
-    # warm-up: the first forward passes pay one-off allocation costs that would skew the timings
+    # warm-up: the first forward passes pay one-off allocation costs (on CUDA the static cache's compile and its
+    # graphs for every width) that would skew the timings
     first = suite.prompts[indices[0]]
-    target_decode(target_model, first, 4)
-    speculative_decode(target_model, drafter, first, 4, max(options.ks))
+    pre = prefill(target_model, first, drafter.spec.aux_layer_ids, options.kv_cache, _room(suite, options))
+    target_decode(target_model, first, 4, prefilled=pre)
+    for k in options.ks:
+        speculative_decode(target_model, drafter, first, 4, k, prefilled=pre)
     gen = torch.Generator().manual_seed(options.seed)
     bar = tqdm(indices, desc=f"eval {suite.name} k={options.ks}", unit="prompt", disable=not progress)
     return {index: _decode_prompt(target_model, drafter, suite, index, options, probes, gen) for index in bar}
@@ -223,7 +227,7 @@ def _decode_prompt(
     prompt, temperature = suite.prompts[index], options.temperature
     max_new, stops = suite.max_new_tokens, suite.stop_ids
     tally = _Tally.empty(options.ks, options.n_sink, probes)
-    pre = prefill(target_model, prompt, drafter.spec.aux_layer_ids)
+    pre = prefill(target_model, prompt, drafter.spec.aux_layer_ids, options.kv_cache, _room(suite, options))
     reference, seconds = target_decode(target_model, prompt, max_new, temperature, gen, pre, stops)
     tally.base_seconds += seconds
     tally.base_prefill_seconds += pre.seconds
@@ -239,6 +243,11 @@ def _decode_prompt(
         if drift is not None:
             tally.drift[k].merge(drift)
     return tally
+
+
+def _room(suite: Suite, options: EvalOptions) -> int:
+    """The positions a prompt's decodings write after it: its answer and the deepest round's drafts past it."""
+    return suite.max_new_tokens + max(options.ks) + 1
 
 
 def _rounds(stats: DecodeStats) -> dict[str, Any]:

@@ -19,11 +19,16 @@ Both models run on the target's device. The drafter computes in the target's dty
 weights stay float32, lab/device.py), reading the target's features as they come; sampling draws from the
 caller's CPU generator, so that a seed gives the same draws on any device. Greedy drafting keeps its tokens on
 the device: a round waits for the host once, when the drafts and the target's predictions are read together.
+Where `kv_cache` resolves to static (auto: on CUDA), the target steps through a static cache whose forwards are
+CUDA graphs, one for each width (1 plainly, k + 1 to verify), and a rejection moves its position back
+(lab/target/static_sequence.py); elsewhere through transformers' dynamic cache, cropped. Both decode the same
+tokens.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +37,8 @@ from lab.device import autocast
 from lab.drafter import Eagle3Drafter, KVCache
 from lab.eval.probes import DriftProbes
 from lab.target import Captured, capture
+from lab.target.generate import resolve_kv_cache
+from lab.target.static_sequence import StaticSequence
 
 
 @dataclass
@@ -111,27 +118,52 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 class Prefill:
     """The target's forward over a prompt and the seconds it took, computed once per prompt and shared by
     the baseline and every k (a long prompt's prefill costs more than its decoding); each decoder counts
-    `seconds` in its own time, as if it had run the prefill itself."""
+    `seconds` in its own time, as if it had run the prefill itself. Over the dynamic cache `captured` holds the
+    prompt's cache; over the static one `static` does (lab/target/static_sequence.py)."""
 
     prompt_len: int
-    captured: Captured  # aux and final [1, T, ...], the KV cache of the prompt
+    captured: Captured  # aux and final [1, T, ...], and the dynamic KV cache of the prompt
     seconds: float
+    aux_layers: list[int] = field(default_factory=list)  # the layers `captured.aux` holds
+    static: StaticSequence | None = None
 
     def cache(self):
-        """The prompt's KV cache, cropped back to the prompt: the decoder before left its tokens in it, and
-        the prompt's entries are never rewritten."""
+        """The prompt's dynamic KV cache, cropped back to the prompt: the decoder before left its tokens in it,
+        and the prompt's entries are never rewritten."""
         cache = self.captured.past_key_values
         if (extra := cache.get_seq_length() - self.prompt_len) > 0:
             cache.crop(-extra)  # transformers deprecates cropping to a positive length
         return cache
 
+    def target(self, model, aux_layers: list[int], room: int) -> TargetCache | StaticSequence:
+        """The target's cache at the prompt's end, for a decoding that adds up to `room` positions to it."""
+        if self.static is None:
+            return TargetCache(model, aux_layers, self.cache())
+        if list(aux_layers) != self.aux_layers:
+            raise ValueError(f"a static prefill captured layers {self.aux_layers}; the decoder reads {aux_layers}")
+        self.static.restart(room)
+        return self.static
+
 
 @torch.no_grad()
-def prefill(target_model, prompt: list[int], aux_layers: list[int]) -> Prefill:
+def prefill(target_model, prompt: list[int], aux_layers: list[int], kv_cache: str = "auto", room: int = 0) -> Prefill:
+    """The target's forward over `prompt`, into the KV cache `kv_cache` resolves to (`resolve_kv_cache`: auto is
+    the static one on CUDA), which holds `room` positions after the prompt (a static cache grows if a decoding
+    needs more, at the cost of the prompt's forward again)."""
     device = target_model.get_output_embeddings().weight.device
     start = time.perf_counter()
-    captured = capture(target_model, torch.tensor([prompt], device=device), aux_layers, use_cache=True)
-    return Prefill(len(prompt), captured, time.perf_counter() - start)
+    ids = torch.tensor([prompt], device=device)
+    if resolve_kv_cache(kv_cache, device) == "static":
+        static = StaticSequence(target_model, ids, aux_layers)
+        captured = static.prefill(room)
+        return Prefill(len(prompt), captured, time.perf_counter() - start, list(aux_layers), static)
+    captured = capture(target_model, ids, aux_layers, use_cache=True)
+    return Prefill(len(prompt), captured, time.perf_counter() - start, list(aux_layers))
+
+
+def _room(max_new_tokens: int, k: int = 0) -> int:
+    """The positions a decoding writes after the prompt: its tokens and, speculatively, a round's drafts past them."""
+    return max_new_tokens + k + 1
 
 
 @torch.no_grad()
@@ -143,24 +175,42 @@ def target_decode(
     generator: torch.Generator | None = None,
     prefilled: Prefill | None = None,
     stop_ids: tuple[int, ...] = (),
+    kv_cache: str = "auto",
 ) -> tuple[list[int], float]:
     """Plain decoding of the target with its KV cache, one token per forward: the baseline, ending after a
-    token of `stop_ids` (kept) or at `max_new_tokens`. Its seconds include the prompt's prefill."""
+    token of `stop_ids` (kept) or at `max_new_tokens`. Its seconds include the prompt's prefill. Without
+    `prefilled` it prefills into the cache `kv_cache` names; with it, it steps the prefill's cache."""
     lm_head = target_model.get_output_embeddings().weight
-    pre = prefilled or prefill(target_model, prompt, [0])
+    pre = prefilled or prefill(target_model, prompt, [0], kv_cache, _room(max_new_tokens))
     start = time.perf_counter()
-    past, tokens = pre.cache(), [_pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]]
+    step = _plain_step(target_model, pre, _room(max_new_tokens))
+    tokens = [_pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]]
     token = torch.tensor([[tokens[-1]]], device=lm_head.device)
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        out = target_model(input_ids=token, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        logits = step(token)
         if temperature == 0:  # the next input stays on the device: one read a token, no upload
-            token = out.logits[0, -1].argmax().view(1, 1)
+            token = logits.argmax().view(1, 1)
             tokens.append(int(token))
         else:
-            tokens.append(_pick(out.logits[0, -1], temperature, generator)[0])
+            tokens.append(_pick(logits, temperature, generator)[0])
             token = torch.tensor([[tokens[-1]]], device=lm_head.device)
     return tokens, pre.seconds + time.perf_counter() - start
+
+
+def _plain_step(target_model, pre: Prefill, room: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Plain decoding's step over the prefill's cache: the target's logits [V] after one more token [1, 1]."""
+    if pre.static is not None:
+        target, lm_head = pre.target(target_model, pre.aux_layers, room), target_model.get_output_embeddings()
+        return lambda token: lm_head(target.forward(token).final)[0, -1]
+    past = pre.cache()
+
+    def step(token: torch.Tensor) -> torch.Tensor:
+        nonlocal past
+        out = target_model(input_ids=token, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        return out.logits[0, -1]
+
+    return step
 
 
 @dataclass
@@ -197,6 +247,15 @@ class Verdict:
 
 
 @dataclass
+class Marks:
+    """Where a round's drafting began, its verification began and its verdict was in (`Stopwatch.mark`)."""
+
+    drafting: float | torch.cuda.Event
+    verifying: float | torch.cuda.Event
+    verified: float | torch.cuda.Event
+
+
+@dataclass
 class Round:
     """One round's outcome: what it outputs and counts, and where the next round starts."""
 
@@ -204,14 +263,43 @@ class Round:
     tokens: list[int]  # the round's output: the accepted drafts and the bonus, or the drafts up to the stop token
     stopped: bool  # an accepted draft was a stop token: what follows it is no output
     context: Context | None  # the drafter's context for the next round; None once stopped
-    draft_seconds: float
-    verify_seconds: float
+    marks: Marks
+
+
+class Stopwatch:
+    """The seconds of a decoding's drafts and verifications. On CUDA its marks are events in the stream of work,
+    read once the decoding ends, so that a round waits for the host only for its verdict (a round's drafts are
+    queued, not computed, when its verification begins); elsewhere the host's clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def totals(self, marks: list[Marks]) -> tuple[float, float]:
+        """The drafts' seconds and the verifications' seconds over `marks`, in the rounds' order."""
+        if self.cuda and marks:
+            marks[-1].verified.synchronize()  # the decoding's one wait for its timings: every mark is then done
+        draft = verify = 0.0
+        for m in marks:
+            draft += self._between(m.drafting, m.verifying)
+            verify += self._between(m.verifying, m.verified)
+        return draft, verify
+
+    def _between(self, start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
 
 
 class TargetCache:
-    """The target's KV cache through a decoding, and the only code that steps it: a forward over a round's
-    proposed tokens, then a crop back to the committed positions. Kept apart so that another cache (a static
-    one stepped through CUDA graphs) can take its place without touching the round."""
+    """The target's dynamic KV cache through a decoding, and the only code that steps it: a forward over a round's
+    proposed tokens, then a crop back to the committed positions. The static cache in CUDA graphs
+    (lab/target/static_sequence.py's `StaticSequence`, the same two methods) takes its place where `kv_cache`
+    resolves to static, without touching the round."""
 
     def __init__(self, model, aux_layers: list[int], past_key_values) -> None:
         self.model, self.aux_layers, self.past_key_values = model, aux_layers, past_key_values
@@ -232,7 +320,7 @@ class TargetCache:
 class Decoding:
     """What one prompt's rounds share: the two models, their caches, and the decoding's settings."""
 
-    target: TargetCache
+    target: TargetCache | StaticSequence
     lm_head: torch.Tensor  # the target's [V, H]
     drafter: Eagle3Drafter
     drafter_cache: KVCache
@@ -241,6 +329,7 @@ class Decoding:
     generator: torch.Generator | None
     probes: DriftProbes | None
     stop_ids: tuple[int, ...]
+    stopwatch: Stopwatch
 
 
 def _draft(run: Decoding, context: Context) -> Drafts:
@@ -324,26 +413,24 @@ def _round(run: Decoding, context: Context) -> Round:
     """Draft k tokens, verify them with the pending token in one target forward, accept a prefix, then cut
     both caches back to the committed positions and hand the drafter its next context."""
     device, n = context.ids.device, context.end
-    drafting = time.perf_counter()
+    drafting = run.stopwatch.mark()
     drafts = _draft(run, context)
-    if device.type == "cuda":  # the drafts were queued, not computed: time what they cost
-        torch.cuda.synchronize(device)
-    verifying = time.perf_counter()
+    verifying = run.stopwatch.mark()
     proposed = torch.cat([context.ids[-1:], *drafts.tokens])[None]  # [1, k + 1]: the pending token, the drafts
     verified = run.target.forward(proposed)
     verdict = _accept(proposed[0, 1:], drafts.probs, verified.final[0] @ run.lm_head.T, run.temperature, run.generator)
-    draft_seconds, verify_seconds = verifying - drafting, time.perf_counter() - verifying
+    marks = Marks(drafting, verifying, run.stopwatch.mark())
 
     accepted = verdict.accepted
     stop = next((i for i, tok in enumerate(verdict.drafts[:accepted]) if tok in run.stop_ids), None)
     if stop is not None:
-        return Round(stop + 1, verdict.drafts[: stop + 1], True, None, draft_seconds, verify_seconds)
+        return Round(stop + 1, verdict.drafts[: stop + 1], True, None, marks)
     run.target.rewind(run.k - accepted)  # the rejected drafts
     run.drafter_cache.crop(n)  # the drafted entries; the context entries stay valid
     tokens = verdict.drafts[:accepted] + [verdict.bonus]
     ids = verdict.committed if verdict.committed is not None else torch.tensor(tokens, device=device)
     following = Context(ids, verified.aux[:, : accepted + 1], start=n)
-    return Round(accepted, tokens, False, following, draft_seconds, verify_seconds)
+    return Round(accepted, tokens, False, following, marks)
 
 
 @torch.no_grad()
@@ -358,34 +445,37 @@ def speculative_decode(
     generator: torch.Generator | None = None,
     prefilled: Prefill | None = None,
     stop_ids: tuple[int, ...] = (),
+    kv_cache: str = "auto",
 ) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding, ending after a token of `stop_ids` (kept) or at `max_new_tokens`; returns
     the new tokens and the round statistics (its seconds include the prompt's prefill). A round that
     reaches a stop token counts its accepted drafts up to and including it: what follows is no output.
     With `probes`, the drafter's attention and feedback at each drafting step are recorded (read-only: the
-    decoded tokens are the same)."""
+    decoded tokens are the same). Without `prefilled` it prefills into the cache `kv_cache` names; with it, it
+    steps the prefill's cache."""
     aux_layers = drafter.spec.aux_layer_ids
     lm_head = target_model.get_output_embeddings().weight
-    pre = prefilled or prefill(target_model, prompt, aux_layers)
+    pre = prefilled or prefill(target_model, prompt, aux_layers, kv_cache, _room(max_new_tokens, k))
     start = time.perf_counter()
-    target = TargetCache(target_model, aux_layers, pre.cache())
+    target = pre.target(target_model, aux_layers, _room(max_new_tokens, k))
     pending = _pick(pre.captured.final[0, -1] @ lm_head.T, temperature, generator)[0]
     drafter_cache = KVCache(len(drafter.layers), record=probes is not None)
-    run = Decoding(target, lm_head, drafter, drafter_cache, k, temperature, generator, probes, stop_ids)
+    stopwatch = Stopwatch(lm_head.device)
+    run = Decoding(target, lm_head, drafter, drafter_cache, k, temperature, generator, probes, stop_ids, stopwatch)
     context = Context(torch.tensor(prompt[1:] + [pending], device=lm_head.device), pre.captured.aux, start=0)
 
-    stats, generated = DecodeStats(), [pending]
+    stats, generated, marks = DecodeStats(), [pending], []
     while len(generated) < max_new_tokens and generated[-1] not in stop_ids:
         step = _round(run, context)
         stats.add_round(k, step.accepted)
-        stats.draft_seconds += step.draft_seconds
-        stats.verify_seconds += step.verify_seconds
+        marks.append(step.marks)
         generated.extend(step.tokens)
         if step.stopped:
             break
         context = step.context
 
     stats.seconds = pre.seconds + time.perf_counter() - start
+    stats.draft_seconds, stats.verify_seconds = stopwatch.totals(marks)
     generated = generated[:max_new_tokens]
     stats.generated = len(generated)
     return generated, stats

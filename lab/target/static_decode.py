@@ -13,13 +13,17 @@ path is faster, as it drops finished rows.
 
 from __future__ import annotations
 
+import functools
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lab import stamps
 
 ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a batch's rows, padded up; 512 is lab.target.generate.HF_BATCH_MAX
 MIN_LENGTH = 256  # the shortest cache; longer ones double
@@ -56,7 +60,31 @@ def compiled(step: Callable, mode: str | None, dynamic: bool) -> Callable:
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    _log_compiles()
     return torch.compile(step, mode=mode, fullgraph=True, dynamic=dynamic)
+
+
+@functools.cache
+def _log_compiles() -> None:
+    """Each compile's start and end as a time-stamped line where stages are logged (lab/stamps.py), once a process:
+    a compile costs a GPU run tens of seconds, which its log then shows."""
+    from torch._dynamo import callback
+
+    started: dict[str, float] = {}
+
+    def start(args: callback.CallbackArgs) -> None:
+        started[str(args.compile_id)] = time.perf_counter()
+        if stamps.logged():
+            trigger = getattr(getattr(args, "callback_trigger", None), "name", "compile").lower()
+            stamps.say(f"compile {args.compile_id}: start ({trigger})")
+
+    def end(args: callback.CallbackArgs) -> None:
+        seconds = time.perf_counter() - started.pop(str(args.compile_id), time.perf_counter())
+        if stamps.logged():
+            stamps.say(f"compile {args.compile_id}: end, {seconds:.1f} s")
+
+    callback.on_compile_start(start)
+    callback.on_compile_end(end)
 
 
 @dataclass

@@ -13,8 +13,11 @@ runs with new ids (MLflow chooses them), each tagged `lab.imported_from` with th
 recorded it, so that importing again finds it and skips it; a run whose import was cut short still carries
 `lab.import=partial` and is replaced on the next import.
 
-`reading` holds the format and its checks, `export` writes an archive, `importing` writes one into a store;
-their public names are re-exported here for the CLI.
+With `--with-caches` the archive carries the study's small cache entries too (`cache/{kind}/{key}/...`, listed in
+the manifest's `caches`), which an import restores into the destination's cache folder (`caches`).
+
+`reading` holds the format and its checks, `export` writes an archive, `importing` writes one into a store,
+`caches` picks and restores cache entries; their public names are re-exported here for the CLI.
 """
 
 from __future__ import annotations

@@ -43,11 +43,13 @@ def export_study(
     with_checkpoints: bool = False,
     extra_files: dict[str, Path] | None = None,
     optuna: dict[str, Any] | None = None,
+    caches: list[dict[str, Any]] | None = None,
 ) -> Exported:
     """Write the study under `parent_run_id` (the parent and every child run) into the archive `out`, atomically
     (a temporary sibling, flushed to the disk and renamed into place: a full disk or a killed export leaves the
     archive that was there, or none, never a partial one). `study` is recorded in the manifest as it is;
-    `extra_files` (archive name -> local file) are carried too, e.g. the Optuna study that `optuna` describes."""
+    `extra_files` (archive name -> local file) are carried too, e.g. the Optuna study that `optuna` describes, or
+    the cache entries that `caches` lists (lab/track/study_archive/caches.py)."""
     configure(uri)
     client = MlflowClient()
     parent = client.get_run(parent_run_id)
@@ -78,6 +80,8 @@ def export_study(
             "optuna": optuna,
             "files": {name: sha256_file(staging / name) for name in files},
         }
+        if caches is not None:
+            manifest["caches"] = caches
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         with atomic_file(out) as partial:
             with tarfile.open(partial, "w:gz", compresslevel=6) as tar:
