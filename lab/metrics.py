@@ -17,6 +17,10 @@ DriftCurve = Literal["sink_mass", "self_mass", "context_mass", "feedback_norm", 
 VllmWorkerStat = Literal["startup_baseline_s", "total_s", "peak_rss_mb"]
 CacheStat = Literal["hit", "seconds", "build_seconds"]
 DataStat = Literal["train_sequences", "train_tokens", "train_assistant_tokens"]
+ValDrift = Literal["sink_mass", "norm_growth"]
+ValProxy = Literal["simulated_acc_len", "tau_sim"]
+ValTeacherForced = Literal["acc", "full_acc", "cond_acc"]
+ValStat = Literal["train_tokens", "seconds"]
 SweepStat = Literal[
     "budget",
     "complete",
@@ -52,8 +56,9 @@ def train_stat(stat: TrainStat) -> str:
 
 
 def is_training_curve(key: str) -> bool:
-    """Whether `key` is one of the curves the trainer logs per step (what a reused drafter's run copies)."""
-    return key.startswith("train/") and key != train_stat("final_tokens_per_s")
+    """Whether `key` is one of the curves the trainer logs per step, its validation pass's included (what a
+    reused drafter's run copies)."""
+    return (key.startswith("train/") and key != train_stat("final_tokens_per_s")) or key.startswith("val/")
 
 
 def train_step_loss(i: int) -> str:
@@ -64,6 +69,61 @@ def train_step_loss(i: int) -> str:
 def train_step_acc(i: int) -> str:
     """Step i's top-1 agreement with the target's argmax."""
     return f"train/acc_{i}"
+
+
+# the validation pass while training (lab/eval/validation.py, logged by lab/train/ttt.py at the training step)
+
+
+def val_al(k: int) -> str:
+    """The exact AL at drafting depth k over the validation answers, pooled over rounds: 1 + accepted / drafts."""
+    return f"val/k{k}/al"
+
+
+def val_al_per_prompt(k: int) -> str:
+    """The exact AL at depth k as the mean of the validation prompts' own ALs (SpecForge's benchmark)."""
+    return f"val/k{k}/al_per_prompt"
+
+
+def val_accept_rate(k: int, position: int) -> str:
+    """At depth k, the drafts accepted at draft position 1..k over the rounds (unconditional)."""
+    return f"val/k{k}/accept_rate_{position}"
+
+
+def val_cond_accept_rate(k: int, position: int) -> str:
+    """At depth k, the drafts accepted at a position over those accepted at the one before (conditional)."""
+    return f"val/k{k}/cond_accept_rate_{position}"
+
+
+def val_drift(k: int, curve: ValDrift) -> str:
+    """At depth k, a drift probe at the chain's last drafting step (step k)."""
+    return f"val/k{k}/{_one_of(curve, ValDrift)}"
+
+
+def val_proxy(k: int, proxy: ValProxy) -> str:
+    """A teacher-forced proxy of the AL at depth k over the same answers: SpecForge's and TorchSpec's
+    `simulated_acc_len`, NeMo Automodel's `tau_sim`."""
+    return f"val/k{k}/{_one_of(proxy, ValProxy)}"
+
+
+def val_teacher_forced(kind: ValTeacherForced, depth: int) -> str:
+    """Teacher-forced top-1 agreement `depth` drafts ahead: marginal (`acc`), the whole chain up to it
+    (speculators' `full_acc`), or given the chain before it (`cond_acc`)."""
+    return f"val/{_one_of(kind, ValTeacherForced)}_{depth}"
+
+
+def val_stat(stat: ValStat) -> str:
+    """The validation pass's training tokens seen so far and its own seconds."""
+    return f"val/{_one_of(stat, ValStat)}"
+
+
+def validation_keys(depth: int) -> list[str]:
+    """Every key one validation pass of deepest drafting depth `depth` logs."""
+    keys = [val_stat(s) for s in get_args(ValStat)]
+    for k in range(1, depth + 1):
+        keys += [val_al(k), val_al_per_prompt(k), *(val_proxy(k, p) for p in get_args(ValProxy))]
+        keys += [val_teacher_forced(kind, k) for kind in get_args(ValTeacherForced)]
+        keys += [val_accept_rate(depth, k), val_cond_accept_rate(depth, k)]
+    return keys + [val_drift(depth, c) for c in get_args(ValDrift)]
 
 
 # evaluation (lab/eval/evaluate.py for the reference decoder, lab/eval/vllm_backend.py for vLLM)

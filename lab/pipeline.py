@@ -28,8 +28,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lab import metrics as metric_keys
-from lab import track
-from lab.config import ConfigError, DataSource, Decoder, rollout_depth
+from lab import stamps, track
+from lab.config import ConfigError, DataSource, Decoder, Select, rollout_depth, select_k, val_every, validation_depth
 from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
 from lab.config.shape import aux_layers
 from lab.data.answers import Answers, suite_answers
@@ -39,18 +39,20 @@ from lab.data.chat_suites import ChatSuiteInputs
 from lab.data.code_data import Sequences
 from lab.data.regenerate import regenerate
 from lab.data.suites import Suite, build_suite
+from lab.data.validation import validation_prompts
 from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
 from lab.eval import vllm_backend
 from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts, heldout_evaluation
+from lab.eval.validation import ValidationSet, checkpoints_document, validate
 from lab.fsutil import claim
 from lab.target import Target
 from lab.target import load as load_target
 from lab.train import resume, torchspec_backend
 from lab.train.loss import ttt_loss
 from lab.train.step import LossFn
-from lab.train.ttt import train
+from lab.train.ttt import Validation, ValidationPass, train
 
 
 @dataclass
@@ -58,8 +60,8 @@ class RunHooks:
     """What a caller (a sweep) hears during a run. `on_train_metrics` may raise `track.RunStopped` to end
     the run early (pruning)."""
 
-    # each stage as it starts: target, drafter, data, cache, heldout, suites, answers, train, eval SUITE, eval vllm,
-    # rollout
+    # each stage as it starts: target, drafter, data, validation, cache, heldout, suites, answers, train, eval SUITE,
+    # eval vllm, rollout
     on_stage: Callable[[str], None] = lambda stage: None
     on_start: Callable[[str], None] = lambda run_id: None  # the MLflow run id, once the run exists
     on_train_metrics: Callable[[dict[str, float], int], None] = lambda metrics, step: None
@@ -70,6 +72,10 @@ class RunResult:
     run_id: str
     metrics: dict[str, float | list[float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+VALIDATION_RECORDS = "per_prompt/val.json"  # every validation pass's per-prompt counts
+SELECTION_TAGS = ("selected_step", "selected_why")  # the checkpoint a run kept (train.select), and why
 
 
 def thread_count(cfg: DictConfig) -> int:
@@ -104,8 +110,10 @@ class StageClock:
     def timed(self, name: str) -> Iterator[None]:
         """Time the block as `name` unannounced: a span of stages that `on_stage` hears one by one."""
         started = time.time()
+        stamps.stage(name)
         yield
         self.seconds[name] = time.time() - started
+        stamps.stage(name, self.seconds[name])
 
 
 @dataclass
@@ -152,6 +160,7 @@ class Prepared:
     rollout_states: HeldoutStates  # the target's side of the rollout on them
     suites: list[Suite]
     answers: dict[str, Answers]  # per suite, with eval.decoder=replay: the target's greedy answers
+    validation: ValidationSet | None = None  # what the validation pass replays (a run that trains, val_prompts > 0)
 
     @property
     def trains(self) -> bool:
@@ -178,6 +187,10 @@ def _prepare(cfg: DictConfig, progress: bool, clock: StageClock, reuse: bool = T
                 reused = _trained_alike(cfg, target, train_tags["train_key"], layers)
     with clock.stage("data"):
         data = _training_data(cfg, target, progress)
+    validation = None
+    if loaded is None and reused is None and cfg.train.val_prompts > 0:
+        with clock.stage("validation"):
+            validation = _validation_set(cfg, target, data.train, layers)
     hidden = None
     if loaded is None and reused is None:
         with clock.stage("cache"):
@@ -203,7 +216,19 @@ def _prepare(cfg: DictConfig, progress: bool, clock: StageClock, reuse: bool = T
         rollout_states=rollout_states,
         suites=suites,
         answers=answers,
+        validation=validation,
     )
+
+
+def _validation_set(cfg: DictConfig, target: Target, train_seqs: Sequences, layers: list[int]) -> ValidationSet:
+    """The validation prompts (held out of the training data) and the target's greedy answers to them, as a suite's
+    (cached alike): what the validation pass replays while the drafter trains."""
+    prompts = validation_prompts(target, cfg.data, cfg.train.val_prompts, train_seqs, cfg.cache_dir)
+    depth, eos = validation_depth(cfg), target.tokenizer.eos_token_id
+    stops = (eos,) if cfg.eval.stop_at_eos and eos is not None else ()
+    length = cfg.train.val_new_tokens or cfg.eval.max_new_tokens
+    answers = suite_answers(target, prompts, length + depth, stops, layers, cfg.cache_dir)
+    return ValidationSet(answers, depth, length, stops, cfg.eval.n_sink)
 
 
 def _suite_answers(cfg: DictConfig, target: Target, suites: list[Suite], layers: list[int]) -> dict[str, Answers]:
@@ -219,6 +244,13 @@ def _suite_answers(cfg: DictConfig, target: Target, suites: list[Suite], layers:
         length = suite.max_new_tokens + max(cfg.eval.num_speculative_tokens)  # the last round verifies past it
         answers[suite.name] = suite_answers(target, suite.prompts, length, suite.stop_ids, layers, cfg.cache_dir)
     return answers
+
+
+def prepare(cfg: DictConfig, progress: bool = True) -> Prepared:
+    """What a run of `cfg` that trains has before its MLflow run starts (the target, its data, hidden states,
+    validation set, suites and answers), built or loaded from the caches: what benchmarks time stages on."""
+    set_threads(cfg)
+    return _prepare(cfg, progress, StageClock(), reuse=False)
 
 
 def warm_caches(cfg: DictConfig, progress: bool = True) -> dict[str, float]:
@@ -298,6 +330,9 @@ def _log_params(mlrun: track.Run, prepared: Prepared) -> None:
     params = {**flatten(prepared.logged), "resolved.aux_layers": prepared.layers, **resolved_device(prepared.target)}
     if prepared.loaded is not None:
         params["drafter.norm_before_residual"] = prepared.loaded.drafter.spec.norm_before_residual
+    trained_on = prepared.data_stats.get(metric_keys.data_stat("train_sequences"))
+    if prepared.logged.data.get("regenerate_seconds") is not None and trained_on is not None:
+        params["resolved.data.num_sequences"] = int(trained_on)  # what the cut at data.regenerate_seconds left
     mlrun.log_params(params)
     mlrun.log_dict(OmegaConf.to_container(prepared.logged, resolve=True, enum_to_str=True), "config.yaml")
 
@@ -345,9 +380,10 @@ def _drafter(
     if prepared.loaded is not None:
         return Trained(prepared.loaded.drafter)
     if prepared.reused is not None:
-        _replay_training(mlrun, prepared.reused.run, hooks)
+        _replay_training(cfg, mlrun, prepared.reused.run, hooks)
         return Trained(prepared.reused.drafter)
-    return _train(cfg, mlrun, prepared.target, prepared.hidden, prepared.layers, resume_dir, hooks, clock, progress)
+    t, hidden, layers, vset = prepared.target, prepared.hidden, prepared.layers, prepared.validation
+    return _train(cfg, mlrun, t, hidden, layers, resume_dir, hooks, clock, progress, validation=vset)
 
 
 def _evaluate(
@@ -446,9 +482,9 @@ def _trained_alike(cfg: DictConfig, target: Target, train_key: str, layers: list
     return Reused(found, drafter.to(target.device))
 
 
-def _replay_training(mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
-    """Log the training curves of the run whose drafter this run reuses, step by step, as training would
-    (a sweep's pruner hears them too)."""
+def _replay_training(cfg: DictConfig, mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
+    """Log the training and validation curves of the run whose drafter this run reuses, step by step, as
+    training would (a sweep's pruner hears them too), its validation records and the step it kept."""
     by_step: dict[int, dict[str, float]] = {}
     for key, curve in trained.curves.items():
         for step, value in curve:
@@ -456,6 +492,11 @@ def _replay_training(mlrun, trained: track.TrainedRun, hooks: RunHooks) -> None:
     for step, metrics in sorted(by_step.items()):
         mlrun.log_metrics(metrics, step)
         hooks.on_train_metrics(metrics, step)
+    records = track.run_json(cfg.tracking.uri, trained.run_id, VALIDATION_RECORDS)
+    if records is not None:
+        mlrun.log_dict(records, VALIDATION_RECORDS)
+    tags = track.get_run(cfg.tracking.uri, trained.run_id).data.tags
+    mlrun.set_tags({k: tags[k] for k in SELECTION_TAGS if k in tags})
 
 
 def _train(
@@ -468,26 +509,22 @@ def _train(
     hooks: RunHooks,
     clock: StageClock,
     progress: bool,
+    validation: ValidationSet | None = None,
 ) -> Trained:
     """Train the configured drafter on the cached hidden states, continuing from the resume state in
-    `resume_dir` when an interrupted run left one there."""
+    `resume_dir` when an interrupted run left one there; with a `validation` set, its pass every train.val_every
+    steps and the checkpoint it selects."""
     counts = torch.bincount(hidden.input_ids[hidden.loss_mask.bool()], minlength=target.vocab_size)
     drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, counts)
-    writer, state = None, None
-    if resume_dir is not None:
-        identity = resume.training_identity(cfg, target.fingerprint, layers)
-        writer = resume.ResumeWriter(resume_dir, cfg.train.resume_every, mlrun.id, identity)
-        state = resume.load(resume_dir, cfg.train.steps)
-    if state is not None:
-        print(f"resuming training from step {state.step} of {state.steps} (resume state {resume_dir.name})")
-        mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
-        if state.run_id:
-            mlrun.set_tags({"resumed_from_run": state.run_id})
+    writer, state = _resume_state(cfg, mlrun, target, layers, resume_dir)
 
     def log_train(metrics: dict[str, float], step: int) -> None:
         mlrun.log_metrics(metrics, step)
         hooks.on_train_metrics(metrics, step)
 
+    validating = (
+        None if validation is None else _validation(cfg, mlrun, validation, log_train, hidden.input_ids.shape[1])
+    )
     with clock.stage("train"):
         result = train(
             drafter,
@@ -500,10 +537,57 @@ def _train(
             resume_writer=writer,
             resume=state,
             loss=training_loss(drafter, cfg.train),
+            validation=validating,
         )
+    if result.selected is not None:
+        mlrun.set_tags(dict(zip(SELECTION_TAGS, (result.selected.step, result.selected.why), strict=True)))
+        print(f"training kept the weights after step {result.selected.step}: {result.selected.why}")
     if result.tokens_per_s > 0:  # none when the resume state was already at the last step
         return Trained(drafter, {metric_keys.train_stat("final_tokens_per_s"): result.tokens_per_s})
     return Trained(drafter)
+
+
+def _resume_state(
+    cfg: DictConfig, mlrun: track.Run, target: Target, layers: list[int], resume_dir: Path | None
+) -> tuple[resume.ResumeWriter | None, resume.ResumeState | None]:
+    """Where this training writes its resume states, and the one it continues from (tagged on the run)."""
+    if resume_dir is None:
+        return None, None
+    identity = resume.training_identity(cfg, target.fingerprint, layers)
+    writer = resume.ResumeWriter(resume_dir, cfg.train.resume_every, mlrun.id, identity)
+    state = resume.load(resume_dir, cfg.train.steps)
+    if state is not None:
+        print(f"resuming training from step {state.step} of {state.steps} (resume state {resume_dir.name})")
+        mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
+        if state.run_id:
+            mlrun.set_tags({"resumed_from_run": state.run_id})
+    return writer, state
+
+
+def _validation(
+    cfg: DictConfig, mlrun: track.Run, vset: ValidationSet, log: Callable[[dict[str, float], int], None], seq_len: int
+) -> Validation:
+    """The trainer's validation pass over `vset`: its metrics logged through `log` at the training step, every
+    pass's per-prompt counts as `per_prompt/val.json` (rewritten after each, so a run cut short keeps them)."""
+
+    def measure(drafter: Eagle3Drafter) -> ValidationPass:
+        measured = validate(drafter, vset)
+        return ValidationPass(measured.metrics, measured.prompts)
+
+    def publish(checkpoints: list[dict]) -> None:
+        mlrun.log_dict(checkpoints_document(checkpoints, cfg.seed, vset.depth), VALIDATION_RECORDS)
+
+    return Validation(
+        measure,
+        every=val_every(cfg),
+        steps=cfg.train.steps,
+        key=metric_keys.val_al(select_k(cfg)),
+        keep_best=cfg.train.select == Select.best,
+        log=log,
+        publish=publish,
+        tokens_per_step=cfg.train.batch_size * seq_len,
+        set_id=vset.answers.path.name if vset.answers.path is not None else "",
+    )
 
 
 def training_loss(drafter: Eagle3Drafter, tcfg: DictConfig) -> LossFn:

@@ -508,6 +508,10 @@ def check_data(cfg: DictConfig) -> None:
             found = code_data.available(tokenizer, d, heldout, count)
             if found < count:
                 raise code_data.too_few(key, count, found, d)
+        if not cfg.drafter.checkpoint and cfg.train.val_prompts:  # the rows its validation pass takes beside them
+            from lab.data.validation import check_room
+
+            check_room(tokenizer, d, cfg.train.val_prompts)
         return
     from lab.data import chat_data, conversations
     from lab.target.chat_template import chat_format

@@ -203,6 +203,32 @@ CASES: list[tuple[str, list[str], str, str]] = [
         "tracking.uri",
         f"cannot reach the MLflow server at {DEAD_SERVER}",
     ),
+    # the validation pass and what reads it
+    ("val_every below 1", ["run", STORE, "train.val_every=0"], "train.val_every", "expected an integer >= 1, got 0"),
+    (
+        "val_every beyond the steps",
+        ["run", STORE, "train.val_every=61"],
+        "train.val_every",
+        "expected at most train.steps=60 steps, got 61",
+    ),
+    (
+        "select_k outside the validated depths",
+        ["run", STORE, "train.select_k=4"],
+        "train.select_k",
+        "expected a depth the validation pass measures, 1..3",
+    ),
+    (
+        "select=best without a validation pass",
+        ["run", STORE, "train.select=best", "train.val_prompts=0"],
+        "train.select",
+        "needs the validation pass; expected train.val_prompts > 0",
+    ),
+    (
+        "spec pruner metric not logged",
+        ["sweep", "sweep={root}/prune.yaml", STORE],
+        "{root}/prune.yaml: pruner.metric",
+        "the runs log no 'eval/in_dist/ref/k3/al' while they train",
+    ),
     # sweep specs
     ("spec not YAML", ["sweep", "sweep={root}/broken.yaml", STORE], "{root}/broken.yaml", "not valid YAML (line 3"),
     ("spec a directory", ["sweep", "sweep={root}/folder.yaml", STORE], "{root}/folder.yaml", "is a directory"),
@@ -324,6 +350,8 @@ def recorded(tmp_path_factory) -> Path:
     (root / "heartbeat_text.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nheartbeat_s: often\n")
     (root / "direction.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [{metric: x, direction: up}]\n")
     (root / "seeds.yaml").write_text("space: {train.lr: [0.001]}\nobjectives: [x]\nseeds: [0, 0]\n")
+    pruned = "space: {train.lr: [0.001, 0.002]}\nobjectives: [eval/in_dist/ref/k3/al]\ntrials: 2\n"
+    (root / "prune.yaml").write_text(pruned + "pruner: {name: median, metric: eval/in_dist/ref/k3/al}\n")
     (root / "notamodel").mkdir()
     (root / "notamodel" / "README.md").write_text("weights elsewhere\n")
     (root / "broken.gguf").write_bytes(b"GGUF" + bytes(60))

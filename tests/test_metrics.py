@@ -21,7 +21,8 @@ from lab import metrics as metric_keys
 ROOT = Path(__file__).resolve().parent.parent
 CONTRACT = "# The metric contract"
 HEADER = "| key | builder | what |"
-NOT_KEYS = {"suite_variant", "is_training_curve"}  # a builder's `suite`, a predicate: not keys
+# a builder's `suite`, a predicate, a list: not keys
+NOT_KEYS = {"suite_variant", "is_training_curve", "validation_keys"}
 
 
 def builders() -> dict[str, object]:

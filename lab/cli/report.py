@@ -117,6 +117,9 @@ def cmd_paper(args: argparse.Namespace) -> int:
             continue
         studies[name] = (load_study(exp, uri, parent), note)
     findings = [paper.measure(claim, *studies[claim.experiment]) for claim in claims]
+    checkpoints = None
+    if paper.CHECKPOINT_CLAIM.experiment in studies:
+        checkpoints = paper.measure_checkpoints(*studies[paper.CHECKPOINT_CLAIM.experiment])
     out = Path(args.out or Path("reports") / "paper.md")
     said = [redact(o) for o in extra]
     command = " ".join(
@@ -130,9 +133,11 @@ def cmd_paper(args: argparse.Namespace) -> int:
     from lab.fsutil import atomic_file
 
     with atomic_file(out) as tmp:  # whole or absent: another `lab paper` may write or read the page too
-        tmp.write_text(paper.markdown(findings, title, command))
+        tmp.write_text(paper.markdown(findings, title, command, checkpoints))
     for f in findings:
         print(f"{f.claim.title}: {f.verdict()}; {f.said()}")
+    if checkpoints is not None:
+        print(f"{paper.CHECKPOINT_CLAIM.title}: {checkpoints.verdict()}; {checkpoints.said()}")
     print(f"page: {out}")
     return 0
 

@@ -92,6 +92,11 @@ class Decoder(str, Enum):
     sequential = "sequential"  # the reference decoder on every prompt (temperature > 0 needs it)
 
 
+class Select(str, Enum):
+    last = "last"  # the weights after the last training step
+    best = "best"  # the weights of the validation pass with the best exact AL at train.select_k
+
+
 class Device(str, Enum):
     auto = "auto"  # cuda where torch sees a GPU, else cpu (lab/device.py resolves it)
     cpu = "cpu"
@@ -211,6 +216,10 @@ class DataConfig:
     regenerate: bool = False
     generator: Generator = Generator.auto
     max_new_tokens: int = checked(384, **POSITIVE)  # regeneration: the longest answer per assistant turn
+    # regeneration: stop starting training conversations this many seconds after it began and train on the chunks
+    # that finished (the held-out ones are regenerated whole); the cache records the cut, so that every arm of a
+    # study trains on the same conversations. None: regenerate them all
+    regenerate_seconds: float | None = checked(None, above=0.0)
 
 
 @dataclass
@@ -260,6 +269,14 @@ class TrainConfig:
     # take the drafter of a finished run (of any study in the store) that trained the same weights: same
     # target, data, drafter, training, seed and training code (tag `train_key`); false trains again
     reuse: bool = True
+    # the validation pass: the exact AL of the drafter's rounds replayed over the target's greedy answers to
+    # prompts held out of the training data (never trained on), every val_every steps and after the last; the
+    # curves `val/...` (docs/metrics.md). 0: no validation pass
+    val_prompts: int = checked(64, min=0)
+    val_every: int | None = checked(None, **POSITIVE)  # None: a fifth of train.steps (at least 1)
+    val_new_tokens: int | None = checked(None, **POSITIVE)  # the validation answers' length; None: eval.max_new_tokens
+    select: Select = Select.last  # the checkpoint a run keeps: the last, or the best exact validation AL
+    select_k: int | None = checked(None, **POSITIVE)  # the depth `select` and the pruner read; None: eval's first k
 
 
 @dataclass
@@ -392,6 +409,22 @@ def redact(url: str) -> str:
     """`url` (or any text holding one, such as an override) without its password: messages and printed
     commands end up in logs and terminals; libpq takes the password from PGPASSWORD or ~/.pgpass."""
     return re.sub(r"(://[^:/@]*):[^@/]*@", r"\1:***@", url)
+
+
+def validation_depth(cfg: DictConfig) -> int:
+    """The validation pass's deepest drafting depth: the deepest evaluated k (it measures every k up to it)."""
+    return max(cfg.eval.num_speculative_tokens)
+
+
+def val_every(cfg: DictConfig) -> int:
+    """Steps between validation passes: train.val_every, else a fifth of train.steps (at least 1)."""
+    return cfg.train.val_every or max(1, cfg.train.steps // 5)
+
+
+def select_k(cfg: DictConfig) -> int:
+    """The depth whose exact validation AL selects a checkpoint and prunes a trial: train.select_k, else the
+    first evaluated k (the depth a drafter is usually served at)."""
+    return cfg.train.select_k or cfg.eval.num_speculative_tokens[0]
 
 
 def rollout_depth(cfg: DictConfig) -> int:

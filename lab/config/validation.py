@@ -35,10 +35,12 @@ from lab.config import (
     Decoder,
     FcNorm,
     NormType,
+    Select,
     SuiteKind,
     TargetKind,
     redact,
     rules,
+    validation_depth,
 )
 from lab.config.shape import aux_layers, drafter_mla_dims, max_positions, target_shape
 
@@ -99,6 +101,7 @@ def validate(cfg: DictConfig) -> None:
         _validate_mla(cfg)
     _validate_suites(cfg)
     _validate_backends(cfg)
+    _validate_selection(cfg)
     if cfg.eval.decoder == Decoder.replay and cfg.eval.temperature > 0:
         raise ConfigError(
             "eval.decoder",
@@ -108,6 +111,26 @@ def validate(cfg: DictConfig) -> None:
     if cfg.eval.rollout_depth is not None and cfg.eval.rollout_depth >= cfg.data.seq_len - 1:
         raise ConfigError("eval.rollout_depth", f"must be below data.seq_len - 1 = {cfg.data.seq_len - 1}")
     _validate_lengths(cfg)
+
+
+def _validate_selection(cfg: DictConfig) -> None:
+    """The validation pass and what reads it: a pass within the training, a depth it measures, and a pass at all
+    where the best checkpoint is kept."""
+    t, depth = cfg.train, validation_depth(cfg)
+    if t.val_every is not None and t.val_every > t.steps:
+        raise ConfigError("train.val_every", f"expected at most train.steps={t.steps} steps, got {t.val_every}")
+    if t.select_k is not None and t.select_k > depth:
+        raise ConfigError(
+            "train.select_k",
+            f"expected a depth the validation pass measures, 1..{depth} (the deepest of eval.num_speculative_tokens), "
+            f"got {t.select_k}",
+        )
+    if t.select == Select.best and t.val_prompts == 0:
+        raise ConfigError(
+            "train.select",
+            "best keeps the checkpoint of the best exact validation AL and needs the validation pass; expected "
+            "train.val_prompts > 0 or train.select=last, got train.val_prompts=0",
+        )
 
 
 def _validate_mla(cfg: DictConfig) -> None:

@@ -85,13 +85,23 @@ def available(tokenizer, dcfg: DictConfig, heldout: bool, needed: int) -> int:
     return found
 
 
+def split_rows(tokenizer, dcfg: DictConfig, heldout: bool) -> list[tuple[list[int], list[int]]]:
+    """Every conversation of the split that fits, as (ids, mask) padded to data.seq_len, in corpus order."""
+    return list(_rows(tokenizer, dcfg, heldout))
+
+
+def chosen(total: int, count: int) -> list[int]:
+    """Which of a split's `total` rows its `count` sequences are: a seeded choice, in corpus order."""
+    return sorted(random.Random(WINDOW_SEED).sample(range(total), count))
+
+
 def conversation_sequences(tokenizer, dcfg: DictConfig, heldout: bool, count: int, key: str) -> Sequences:
     """`count` conversations in `data.template` (with `data.system_prompt` if set), seeded choice."""
-    pairs = list(_rows(tokenizer, dcfg, heldout))
+    pairs = split_rows(tokenizer, dcfg, heldout)
     rows, masks = [r for r, _ in pairs], [m for _, m in pairs]
     if count > len(rows):
         raise too_few(key, count, len(rows), dcfg)
-    order = sorted(random.Random(WINDOW_SEED).sample(range(len(rows)), count))
+    order = chosen(len(rows), count)
     return Sequences(
         torch.tensor([rows[i] for i in order], dtype=torch.long),
         torch.tensor([masks[i] for i in order], dtype=torch.uint8),

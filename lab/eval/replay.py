@@ -154,9 +154,11 @@ def replay(
     stop_ids: tuple[int, ...] = (),
     n_sink: int = 1,
     probes: bool = True,
+    probed_ks: list[int] | None = None,
 ) -> list[Replayed]:
-    """Every prompt's rounds at each k and (with `probes`) its drift probes, from batched unrolls of depth
-    max(ks) over the cached answers, in the prompts' order."""
+    """Every prompt's rounds at each k and (with `probes`) its drift probes, at every k or at `probed_ks` only
+    (the others' probes stay empty), from batched unrolls of depth max(ks) over the cached answers, in the
+    prompts' order."""
     depth, stops = max(ks), set(stop_ids)
     device = drafter.fc.weight.device
     heads = drafter.spec.num_heads
@@ -188,9 +190,10 @@ def replay(
             stats, drift = {}, {}
             for k in ks:
                 st, pr = DecodeStats(), DriftProbes(k, n_sink)
+                probed = values is not None and (probed_ks is None or k in probed_ks)
                 for p, counted in walk(drafts[row], start, answers.top[i], seq, plen, k, max_new_tokens, stops):
                     st.add_round(k, counted)
-                    if values is not None:
+                    if probed:
                         for j in range(k):
                             sink, self_mass, rms = (values[row][j][c][p - start] for c in range(3))
                             pr.add(j + 1, sink, self_mass, rms)

@@ -158,7 +158,7 @@ def _page(study: Study, command: str, tables: list[tab_mod.Table], figures: list
     lines = [f"# {study.name}: {study.description}".rstrip(": "), "", "## Provenance", "", *_provenance(study, command)]
     lines += ["", "## Tables", ""]
     if not tables:
-        lines.append("(no finished runs yet)")
+        lines.append("(no finished runs yet" + (": the figures draw what the runs logged so far)" if figures else ")"))
     else:
         lines += [_intervals_said(study, tables), ""]
     for t in tables:

@@ -23,6 +23,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from lab import metrics as metric_keys  # noqa: E402
 from lab.fsutil import atomic_file  # noqa: E402
 from lab.report import paired  # noqa: E402
+from lab.report import validation as val  # noqa: E402
 from lab.report.study import Arm, Study  # noqa: E402
 
 # Okabe & Ito (2008): distinguishable with every common colour-vision deficiency
@@ -340,6 +341,119 @@ def fc_share(study: Study) -> tuple[plt.Figure, str] | None:
     return fig, "How much each captured target layer contributes to the drafter's fc projection."
 
 
+def _unfinished_line(ax, tokens: list[float], values: list[float], i: int, label: str) -> None:
+    """A run that did not finish: every point it logged, dotted, its last one crossed."""
+    n = min(len(tokens), len(values))
+    if not n:
+        return
+    look = _look(i)
+    ax.plot(tokens[:n], values[:n], color=look["color"], linestyle=":", lw=0.9, label=label)
+    ax.plot(tokens[n - 1], values[n - 1], color=look["color"], marker="x", markersize=5, linestyle="none")
+
+
+def _thousands(ax) -> None:
+    """Training tokens on the x axis, in thousands."""
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
+
+
+def al_curve(study: Study) -> tuple[plt.Figure, str] | None:
+    """The exact validation AL against the training tokens seen, one line per arm with its seed band, for every
+    evaluated k; the curves of runs that did not finish, dotted, as far as they got."""
+    tokens_key = metric_keys.val_stat("train_tokens")
+    runs = study.runs + study.left_out
+    if not any(tokens_key in r.data.metrics for r in runs):
+        return None
+    fig, axes = _panels(len(study.ks))
+    unfinished = 0
+    for ax, k in zip(axes[0], study.ks, strict=True):
+        key = metric_keys.val_al(k)
+        for i, arm in enumerate(study.arms):
+            finished = [r for r in arm.runs if key in r.data.metrics]
+            if finished:
+                _band(ax, study.curve(finished[0], tokens_key), [study.curve(r, key) for r in finished], i, arm.label)
+            for r in study.unfinished(arm):
+                if key in r.data.metrics:
+                    unfinished += 1
+                    seed = r.data.tags.get("seed", "?")
+                    said = r.data.tags.get("trial_state") or r.info.status
+                    label = f"{arm.label}, seed {seed}: unfinished ({said.lower()})"
+                    _unfinished_line(ax, study.curve(r, tokens_key), study.curve(r, key), i, label)
+        ax.set_title(f"k={k}")
+        ax.set_xlabel("training tokens")
+        _thousands(ax)
+    axes[0][0].set_ylabel("exact validation AL")
+    _legend(fig, axes)
+    caption = (
+        "Exact AL over the validation prompts (held out of the training data) against the training tokens seen, "
+        "replayed at each validation pass: mean over seeds +- one std."
+    )
+    if unfinished:
+        caption += (
+            " Dotted, ending in x: a run that did not finish (still running, stopped or failed), as far as it got."
+        )
+    return fig, caption
+
+
+def _ratio_line(ax, x: list[float], intervals: list[paired.Interval | None], i: int, label: str) -> None:
+    points = [(a, iv) for a, iv in zip(x, intervals, strict=True) if iv is not None]
+    if not points:
+        return
+    look = _look(i)
+    xs = [a for a, _ in points]
+    ax.plot(xs, [iv.ratio for _, iv in points], label=label, **look)
+    ax.fill_between(
+        xs, [iv.low for _, iv in points], [iv.high for _, iv in points], color=look["color"], alpha=0.15, lw=0
+    )
+
+
+def al_ratio_vs_k(study: Study) -> tuple[plt.Figure, str] | None:
+    """Each arm's exact validation AL over the baseline's: against k = 1..K after the last step (left), and at the
+    first evaluated k against the training tokens (right), with paired bootstrap intervals over seeds and prompts."""
+    arms = {a.name: a for a in study.arms}
+    base = arms.get(study.baseline)
+    if base is None:
+        return None
+    theirs = study.records(base, val.RECORDS)
+    if not theirs:
+        return None
+    first = next(iter(theirs.values()))
+    depth, k0 = int(first["depth"]), val.select_k(study.runs[0].data.params, study.ks)
+    passes = len(val.checkpoints(first))
+    tokens = [c["train_tokens"] for c in val.checkpoints(first)]
+    fig, axes = _panels(2)
+    left, right = axes[0]
+
+    def ratio(arm: Arm, j: int, k: int) -> paired.Interval | None:
+        def at(doc: dict) -> paired.Counts:
+            cps = val.checkpoints(doc)
+            return paired.al_counts(cps[j], k) if len(cps) == passes else {}
+
+        mine = {seed: at(doc) for seed, doc in study.records(arm, val.RECORDS).items()}
+        return paired.paired_ratio(mine, {seed: at(doc) for seed, doc in theirs.items()}, paired.acceptance_length)
+
+    for i, arm in enumerate(study.arms):
+        if arm.name == study.baseline or not arm.runs:
+            continue
+        _ratio_line(
+            left, list(range(1, depth + 1)), [ratio(arm, passes - 1, k) for k in range(1, depth + 1)], i, arm.label
+        )
+        _ratio_line(right, tokens, [ratio(arm, j, k0) for j in range(passes)], i, arm.label)
+    for ax in (left, right):
+        ax.axhline(1.0, color="0.5", lw=0.6, ls=":")
+        ax.set_ylabel(f"AL / {base.label}'s")
+    left.set_xlabel("drafting depth k (after the last step)")
+    right.set_xlabel(f"training tokens (k={k0})")
+    _thousands(right)
+    _legend(fig, axes)
+    caption = (
+        f"Exact validation AL of each arm over {base.label}'s: against the drafting depth after the last training "
+        f"step (left) and at k={k0} at each validation pass (right); bands: 95 % paired bootstrap interval "
+        f"({paired.RESAMPLES} resamples; seeds, then validation prompts)."
+    )
+    return fig, caption
+
+
 FIGURES: dict[str, Callable[[Study], tuple[plt.Figure, str] | None]] = {
     "al_vs_depth": al_vs_depth,
     "accept_rate": accept_rate,
@@ -350,18 +464,23 @@ FIGURES: dict[str, Callable[[Study], tuple[plt.Figure, str] | None]] = {
     "vllm_speedup": vllm_speedup,
     "rollout_acc": rollout_acc,
     "fc_share": fc_share,
+    "al_curve": al_curve,
+    "al_ratio_vs_k": al_ratio_vs_k,
 }
 NEEDS_DRIFT = {"sink_self_mass", "norm_growth"}
+UNFINISHED_TOO = {"al_curve"}  # figures that draw the runs that did not finish
 
 
 def draw(study: Study, names: list[str], folder: Path) -> list[Figure]:
     """The named figures the study's metrics support (all of them when `names` is empty), saved as
     `folder/NAME.png` and `folder/NAME.pdf`. vLLM's speedup is added wherever it was measured."""
-    if not study.runs:
+    if not study.runs and not study.left_out:
         return []
     wanted = list(names or FIGURES)
     if "vllm_speedup" not in wanted:
         wanted.append("vllm_speedup")
+    if not study.runs:  # nothing finished yet: what the runs logged while they trained
+        wanted = [name for name in wanted if name in UNFINISHED_TOO]
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     with plt.rc_context(STYLE):

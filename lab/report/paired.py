@@ -45,8 +45,12 @@ class Interval:
 
     def excludes_one(self, digits: int | None = None) -> bool:
         """Whether the interval lies wholly above or below 1 (compared as printed with `digits`)."""
+        return self.excludes(1.0, digits)
+
+    def excludes(self, value: float, digits: int | None = None) -> bool:
+        """Whether the interval lies wholly above or below `value` (0 for a difference)."""
         low, high = (self.low, self.high) if digits is None else (round(self.low, digits), round(self.high, digits))
-        return low > 1 or high < 1
+        return low > value or high < value
 
 
 def acceptance_length(sums: np.ndarray) -> np.ndarray:

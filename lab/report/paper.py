@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from lab import metrics as metric_keys
 from lab.report import paired
+from lab.report import validation as val
 from lab.report.study import Study
 
 # one row of a claim: its label, the per-prompt artifact (a suite's name or `rollout`), the counts per prompt
@@ -261,6 +262,96 @@ class Finding:
         return f"{_interval(head[1])} ({head[0]})" if head else "-"
 
 
+@dataclass(frozen=True)
+class CheckpointClaim:
+    """Not the paper's: what the peers' training assumes when it keeps the checkpoint its teacher-forced proxy
+    ranks best. Measured on the validation passes of an experiment's runs (`per_prompt/val.json`)."""
+
+    title: str = "A proxy's best checkpoint is the exact best"
+    claim: str = (
+        "the peers keep the checkpoint their teacher-forced proxy ranks best (SpecForge and TorchSpec: "
+        "simulated_acc_len; NeMo Automodel: tau_sim), taking it for the checkpoint of the best AL"
+    )
+    experiment: str = "drift_2x2"
+
+
+CHECKPOINT_CLAIM = CheckpointClaim()
+TEACHER_FORCED = [p for p in val.PROXIES if p.name in ("simulated_acc_len", "tau_sim")]
+
+
+@dataclass(frozen=True)
+class Pick:
+    """One run's checkpoints as a proxy and the exact AL rank them: each one's best step, and the exact AL the
+    proxy's pick gives up against the exact best."""
+
+    proxy: str
+    run: str  # arm label and seed
+    proxy_step: int
+    exact_step: int
+    lost: float
+
+
+@dataclass
+class CheckpointFinding:
+    study: Study | None
+    k: int = 0
+    picks: list[Pick] = field(default_factory=list)
+    note: str = ""
+
+    def verdict(self) -> str:
+        if not self.picks:
+            return "not measured"
+        differ = sum(p.proxy_step != p.exact_step for p in self.picks)
+        return "agrees" if differ == 0 else f"disagrees ({differ} of {len(self.picks)} picks differ)"
+
+    def said(self) -> str:
+        """Per proxy: in how many runs it picks the exact best, and the exact AL its picks give up."""
+        parts = []
+        for proxy in TEACHER_FORCED:
+            mine = [p for p in self.picks if p.proxy == proxy.name]
+            if mine:
+                same = sum(p.proxy_step == p.exact_step for p in mine)
+                lost = max(p.lost for p in mine)
+                parts.append(
+                    f"{proxy.name}: the exact best in {same} of {len(mine)} runs (AL given up: at most {lost:.3f})"
+                )
+        return "; ".join(parts) or "-"
+
+
+def measure_checkpoints(study: Study | None, note: str = "") -> CheckpointFinding:
+    """Every finished run's checkpoints ranked by each teacher-forced proxy and by the exact AL, at train.select_k."""
+    finding = CheckpointFinding(study, note=note)
+    if study is None or not study.runs:
+        return finding
+    finding.k = val.select_k(study.runs[0].data.params, study.ks)
+    for arm in study.arms:
+        for seed, doc in sorted(study.records(arm, val.RECORDS).items()):
+            exact = val.values(doc, finding.k, val.exact_al)
+            best = val.best_step(doc, finding.k, val.exact_al)
+            for proxy in TEACHER_FORCED:
+                pick = val.best_step(doc, finding.k, proxy.metric)
+                lost = max(exact) - exact[val.steps(doc).index(pick)]
+                finding.picks.append(Pick(proxy.name, f"{arm.label}, seed {seed}", pick, best, lost))
+    return finding
+
+
+def checkpoint_lines(f: CheckpointFinding) -> list[str]:
+    """The claim's section of the page: every run's picks, then the verdict."""
+    c = CHECKPOINT_CLAIM
+    head = f"The claim (the peers', not the paper's): {c.claim}. Measured on `{c.experiment}`"
+    lines = ["", f"## {c.title}", ""]
+    if f.study is None:
+        return [*lines, head + f": the store holds no study of it yet (`lab ablate experiment={c.experiment}`)."]
+    lines.append(head + f", each run's validation passes at k={f.k} (`per_prompt/val.json`).")
+    if f.note:
+        lines += ["", f"Note: {f.note}."]
+    if not f.picks:
+        return [*lines, "", "No finished run recorded validation passes (train.val_prompts=0, or logged before them)."]
+    lines += ["", "| proxy | run | proxy's best step | exact best step | exact AL given up |", "|---|---|---|---|---|"]
+    lines += [f"| {p.proxy} | {p.run} | {p.proxy_step} | {p.exact_step} | {p.lost:.3f} |" for p in f.picks]
+    return [*lines, "", f"Verdict: **{f.verdict()}**. {f.said()}."]
+
+
 def measure(claim: Claim, study: Study | None, note: str = "") -> Finding:
     """The claim's rows on `study`: the paired ratio of the claim's arm to its baseline, where both ran."""
     finding = Finding(claim, study, note=note)
@@ -317,8 +408,9 @@ def _runs(study: Study, arm_names: list[str]) -> str:
     return "; ".join(out)
 
 
-def markdown(findings: list[Finding], title: str, command: str) -> str:
-    """The page: a summary table of every claim, then each claim's rows, budget and runs."""
+def markdown(findings: list[Finding], title: str, command: str, checkpoints: CheckpointFinding | None = None) -> str:
+    """The page: a summary table of every claim, then each claim's rows, budget and runs; with `checkpoints`, the
+    claim that a proxy's best checkpoint is the exact best."""
     lines = [
         f"# {title}",
         "",
@@ -335,6 +427,9 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
     ]
     for f in findings:
         lines.append(f"| {f.claim.title} | {f.claim.paper} | {f.said()} | {f.verdict()} |")
+    if checkpoints is not None:
+        c = CHECKPOINT_CLAIM
+        lines.append(f"| {c.title} | (the peers') {c.claim} | {checkpoints.said()} | {checkpoints.verdict()} |")
     for f in findings:
         c = f.claim
         whose = "the card" if c.card else "the paper"
@@ -391,6 +486,8 @@ def markdown(findings: list[Finding], title: str, command: str) -> str:
                 f"{_budget(study, [c.arm, c.baseline])}; {whose}'s drafters train on far more data, for longer, "
                 f"against larger targets. Runs: {_runs(study, [c.arm, c.baseline])}."
             )
+    if checkpoints is not None:
+        lines += checkpoint_lines(checkpoints)
     lines += ["", "## The studies"]
     studies: dict[str, tuple[Study, list[str]]] = {}  # experiment -> its study and the arms its claims compare
     for f in findings:

@@ -1,7 +1,8 @@
 """A finished (or partly finished) study as the report sees it: read from MLflow alone.
 
 Runs are grouped by arm in the experiment's order; within an arm, one run per seed (the latest FINISHED
-one if a seed was run twice). Runs that did not finish are kept aside, to be counted in a footnote.
+one if a seed was run twice). Runs that did not finish are kept aside, to be counted in a footnote; the
+curves they logged while they trained (still running, stopped, failed or pruned) are theirs to draw, marked.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class Study:
         return [r for a in self.arms for r in a.runs]
 
     def param(self, key: str, default: str = "") -> str:
-        """A config value shared by the study's runs (the first run's)."""
-        return self.runs[0].data.params.get(key, default) if self.runs else default
+        """A config value shared by the study's runs (the first finished run's, else the first unfinished one's)."""
+        runs = self.runs or self.left_out
+        return runs[0].data.params.get(key, default) if runs else default
 
     @cached_property
     def suites(self) -> list[str]:
@@ -79,27 +81,37 @@ class Study:
 
     def curves(self, arm: Arm, key: str) -> list[list[float]]:
         """The metric's curve (values in step order) in each of the arm's runs that logged it."""
-        out = []
-        for r in arm.runs:
-            if key not in r.data.metrics:
-                continue
-            cache_key = (r.info.run_id, key)
-            if cache_key not in self._curves:
-                self._curves[cache_key] = track.metric_curve(self.uri, r.info.run_id, key)
-            out.append(self._curves[cache_key])
-        return out
+        return [self.curve(r, key) for r in arm.runs if key in r.data.metrics]
+
+    def curve(self, run: Any, key: str) -> list[float]:
+        """One run's curve of the metric, values in step order (read once)."""
+        cache_key = (run.info.run_id, key)
+        if cache_key not in self._curves:
+            self._curves[cache_key] = track.metric_curve(self.uri, run.info.run_id, key)
+        return self._curves[cache_key]
+
+    def unfinished(self, arm: Arm) -> list[Any]:
+        """The arm's runs that did not finish (still running, stopped, failed or pruned) and whose seed has no
+        finished run: what they logged so far is all there is of that seed."""
+        done = {r.data.tags.get("seed") for r in arm.runs}
+        return [r for r in self.left_out if r.data.tags.get("arm") == arm.name and r.data.tags.get("seed") not in done]
 
     def records(self, arm: Arm, name: str) -> dict[str, dict]:
-        """The per-prompt records `per_prompt/{name}.json` (a suite's name, or `rollout`) of each of the
+        """The per-prompt records `per_prompt/{name}.json` (a suite's name, `rollout` or `val`) of each of the
         arm's runs that logged them, by seed; runs logged before these records existed have none."""
         out = {}
         for r in arm.runs:
-            cache_key = (r.info.run_id, name)
-            if cache_key not in self._records:
-                self._records[cache_key] = track.run_json(self.uri, r.info.run_id, f"per_prompt/{name}.json")
-            if self._records[cache_key] is not None:
-                out[r.data.tags.get("seed", "")] = self._records[cache_key]
+            doc = self.run_records(r, name)
+            if doc is not None:
+                out[r.data.tags.get("seed", "")] = doc
         return out
+
+    def run_records(self, run: Any, name: str) -> dict | None:
+        """One run's `per_prompt/{name}.json` (read once), None when it has none."""
+        cache_key = (run.info.run_id, name)
+        if cache_key not in self._records:
+            self._records[cache_key] = track.run_json(self.uri, run.info.run_id, f"per_prompt/{name}.json")
+        return self._records[cache_key]
 
     def has(self, key: str) -> bool:
         return any(key in r.data.metrics for r in self.runs)

@@ -5,7 +5,9 @@
 - `backends` (where the reference decoder and vLLM both ran): AL and per-position acceptance at the training
   depth from each, side by side;
 - `drift`: sink and self attention mass at drafting step 1 and at the deepest step, norm growth there;
-- `rollout`: teacher-forced rollout accuracy on held-out data at depth 1, the deepest k and the deepest depth.
+- `rollout`: teacher-forced rollout accuracy on held-out data at depth 1, the deepest k and the deepest depth;
+- `proxy_bias` (where the runs validated while training): each proxy of the AL minus the exact validation AL at
+  every checkpoint, with its bootstrap interval, and whether proxy and exact AL rank the checkpoints alike.
 
 AL, norm growth and rollout accuracy of every arm but the baseline carry the ratio of the arm's mean to the
 baseline's with a 95 % paired bootstrap interval over prompts and seeds (lab/report/paired.py), from the
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 from lab import metrics as metric_keys
 from lab.report import paired
+from lab.report import validation as val
 from lab.report.study import Study, mean_std
 
 
@@ -72,6 +75,8 @@ class Table:
     notes: list[str] = field(default_factory=list)
     digits: int = 3
     unit: str = "prompts"  # what an interval resamples within a seed
+    centre: float = 1.0  # what a cell's interval is compared with: 1 for a ratio, 0 for a difference
+    grouped_by: str = "suite"  # what the rows' groups are
 
     def marked(self) -> set[tuple[int, int]]:
         """(row, column) of the cells whose interval excludes 1: the only cells set in bold."""
@@ -79,7 +84,7 @@ class Table:
             (i, j)
             for i, row in enumerate(self.rows)
             for j, cell in enumerate(row.cells)
-            if cell.interval is not None and cell.interval.excludes_one()
+            if cell.interval is not None and cell.interval.excludes(self.centre)
         }
 
     def counts(self) -> tuple[int, int] | None:
@@ -129,7 +134,8 @@ def _cell_text(table: Table, row: Row, cell: Cell, pm: str) -> tuple[str, str, l
     ratio, notes = "", []
     iv = cell.interval
     if iv is not None:
-        ratio = f"{_num(iv.ratio, d)}× [{_num(iv.low, d)}, {_num(iv.high, d)}]"
+        bounds = f"[{_num(iv.low, d)}, {_num(iv.high, d)}]"
+        ratio = f"{_num(iv.ratio, d)}× {bounds}" if table.centre == 1.0 else bounds  # a difference's is the value
         if (iv.prompts, iv.seeds) != table.counts():
             notes.append(f"{iv.prompts} {table.unit} × {_seeds(iv.seeds)}")
     elif cell.change is not None:
@@ -142,7 +148,7 @@ def _cell_text(table: Table, row: Row, cell: Cell, pm: str) -> tuple[str, str, l
 def markdown(table: Table) -> str:
     marked = table.marked()
     grouped = any(r.group for r in table.rows)
-    head = ["arm"] + (["suite"] if grouped else []) + ["n"]
+    head = ["arm"] + ([table.grouped_by] if grouped else []) + ["n"]
     head += [f"{c.group} {c.label}".strip() for c in table.columns]
     lines = [f"**{table.title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, row in enumerate(table.rows):
@@ -183,7 +189,7 @@ def latex(table: Table) -> str:
     notes under it."""
     marked = table.marked()
     grouped = any(r.group for r in table.rows)
-    lead = ["Arm"] + (["Suite"] if grouped else []) + ["$n$"]
+    lead = ["Arm"] + ([table.grouped_by.capitalize()] if grouped else []) + ["$n$"]
     spec = "l" * (len(lead) - 1) + "r" + "c" * len(table.columns)
     out = [
         r"\begin{table}[t]",
@@ -461,12 +467,64 @@ def rollout_table(study: Study) -> Table | None:
     return table
 
 
+def proxy_bias_table(study: Study) -> Table | None:
+    """Each proxy of the AL minus the exact validation AL at train.select_k, per arm and checkpoint (the mean over
+    seeds with its bootstrap interval over seeds and prompts), and across checkpoints whether they rank them alike
+    (Kendall's tau) and pick the same best (the share of seeds). None unless the runs validated while training."""
+    docs = {a.name: study.records(a, val.RECORDS) for a in study.arms}
+    first = next((d for ds in docs.values() for d in ds.values()), None)
+    if first is None:
+        return None
+    k, steps = val.select_k(study.runs[0].data.params, study.ks), val.steps(first)
+    columns = [Column(f"step {s}", better="") for s in steps]
+    columns += [Column("Kendall τ", better="high"), Column("same best", better="high")]
+    rows = []
+    for proxy in val.PROXIES:
+        for a in study.arms:
+            runs = [doc for doc in docs[a.name].values() if val.steps(doc) == steps]
+            seeds = [seed for seed, doc in docs[a.name].items() if val.steps(doc) == steps]
+            cells = _bias_cells(dict(zip(seeds, runs, strict=True)), len(steps), k, proxy)
+            rows.append(Row(a.name, a.label, cells, group=f"{proxy.label} ({proxy.whose})", n=len(a.runs)))
+    title = (
+        f"Proxy minus the exact validation AL at k={k} per checkpoint (mean over seeds [95 % interval]), and whether "
+        "each proxy ranks the checkpoints as the exact AL does (Kendall τ) and picks the same best (share of seeds)"
+    )
+    table = Table("proxy_bias", title, columns, rows, centre=0.0, grouped_by="proxy")
+    table.notes.append(
+        "Interval: the 2.5 and 97.5 percentiles of the mean over seeds of the pooled difference, "
+        f"{paired.RESAMPLES} bootstrap resamples (seed {paired.BOOTSTRAP_SEED}; seeds, then validation prompts "
+        "within each). Bold: the interval excludes 0. simulated_acc_len counts no bonus token: 1 of its gap is "
+        "that alone."
+    )
+    return table
+
+
+def _bias_cells(runs: dict[str, dict], checkpoints: int, k: int, proxy: val.Proxy) -> list[Cell]:
+    """One arm's row of `proxy_bias`: the gap at each checkpoint over its seeds' runs, Kendall's tau, the same best."""
+    gap = val.minus_exact(proxy.metric)
+    cells = []
+    for j in range(checkpoints):
+        per_seed = {seed: val.counts(val.checkpoints(doc)[j], k) for seed, doc in runs.items()}
+        cell = Cell([paired.pooled(c, gap) for c in per_seed.values()])
+        estimate = paired.mean_interval(per_seed, gap) if per_seed else None
+        if estimate is not None:
+            cell.interval = paired.Interval(
+                estimate.mean, estimate.low, estimate.high, estimate.prompts, estimate.seeds
+            )
+        cells.append(cell)
+    exact = [val.values(doc, k, val.exact_al) for doc in runs.values()]
+    proxied = [val.values(doc, k, proxy.metric) for doc in runs.values()]
+    cells.append(Cell([val.kendall_tau(p, e) for p, e in zip(proxied, exact, strict=True)]))
+    same = [val.best_step(doc, k, proxy.metric) == val.best_step(doc, k, val.exact_al) for doc in runs.values()]
+    return cells + [Cell([float(s) for s in same])]
+
+
 def build(study: Study) -> list[Table]:
     """Every table the study's runs support, with the study's footnotes."""
     if not study.runs:
         return []
     tables = [al_table(study), acceptance_table(study)]
-    for optional in (backends_table(study), drift_table(study), rollout_table(study)):
+    for optional in (backends_table(study), drift_table(study), rollout_table(study), proxy_bias_table(study)):
         if optional is not None:
             tables.append(optional)
     notes = [f"Missing: {gap}." for gap in study.gaps()]

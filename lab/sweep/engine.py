@@ -11,8 +11,9 @@ How a study keeps its promises, whatever the sampler:
   died (same host: the process is gone; elsewhere: no heartbeat change for `grace_s`) is failed and
   re-enqueued with the same params (Optuna's RetryHeartbeatStaleTrialCallback, up to `max_retry`).
   Ctrl-C re-enqueues the interrupted trial too, so a rerun continues where it stopped.
-- Pruning: the run reports `train/simulated_acc_len` as it trains; a pruned trial ends its MLflow run
-  KILLED, tagged `trial_state=PRUNED`.
+- Pruning: the run reports the spec's `pruner.metric` as it trains (the exact validation AL at
+  train.select_k unless it names another, such as the proxy `train/simulated_acc_len`); a pruned trial ends its
+  MLflow run KILLED, tagged `trial_state=PRUNED`.
 - A trial whose exact config already FINISHED under the parent run (same arm, same config hash) is
   not rerun: it is completed from that run's metrics.
 

@@ -7,7 +7,8 @@ sampler, the pruner, the objective(s), seeds per point and the total trial budge
       train.ttt_length: {low: 1, high: 7}               # integers: int range (optional step)
       preset: {choices: {e3: [drafter=eagle3], e31: [drafter=eagle31]}}   # named override bundles
     sampler: tpe            # or {name: tpe, seed: 0, n_startup_trials: 8}; random, grid, nsga2
-    pruner: none            # or {name: median, n_startup_trials: 2, n_warmup_steps: 20}; percentile, hyperband
+    pruner: none            # or {name: median, n_startup_trials: 2, n_warmup_steps: 20}; percentile, hyperband;
+                            # `metric:` what trials report (default: the exact validation AL at train.select_k)
     objectives:
       - {metric: eval/in_dist/ref/k5/al, direction: maximize}
       - {metric: drift/in_dist/k5/norm_growth, direction: minimize, reduce: last}
@@ -31,7 +32,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from lab import metrics as metric_keys
-from lab.config import ConfigError
+from lab.config import ConfigError, select_k, validation_depth
 from lab.config.composition import compose
 from lab.config.identity import config_hash
 from lab.config.rules import PathRule, expected_got, path_problem
@@ -42,7 +43,7 @@ from lab.sweep.spec_reader import read_yaml
 from lab.sweep.spec_schema import ParamSpec, SweepSpec
 
 SWEEP_DIR = Path(__file__).resolve().parent.parent.parent / "sweeps"
-PRUNE_METRIC = metric_keys.train_stat("simulated_acc_len")
+PROXY_METRIC = metric_keys.train_stat("simulated_acc_len")  # the proxy over training batches a pruner may read
 # overrides that change where a trial runs or is tracked, not what it computes: not part of a study's identity
 _PLACEMENT = ("tracking.", "threads=", "cache_dir=", "train.resume_every=")
 SPEC_FILE = PathRule("file", "yaml")  # `sweep=PATH.yaml`
@@ -111,6 +112,7 @@ class Sweep:
     overrides: list[str] = field(default_factory=list)
     sampler: dict[str, Any] = field(default_factory=lambda: {"name": "tpe"})
     pruner: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    prune_metric: str | None = None  # what a pruned trial reports; None: the exact validation AL (`prune_key`)
     seeds: list[int] = field(default_factory=lambda: [0])
     trials: int | None = None  # None: a grid's size (points x seeds)
     study: str | None = None  # the MLflow experiment; None: the sweep's name
@@ -152,6 +154,11 @@ class Sweep:
             )
         return n
 
+    def prune_key(self, cfg: DictConfig) -> str:
+        """The metric a trial of `cfg` reports to the pruner as it trains: the spec's `pruner.metric`, else the
+        exact validation AL at train.select_k."""
+        return self.prune_metric or metric_keys.val_al(select_k(cfg))
+
     def label(self, params: dict[str, Any]) -> str:
         """The MLflow `arm` of a point: a bundle's name, else `key=value` pairs (short keys)."""
         if len(self.space) == 1 and self.space[0].kind == "bundle":
@@ -183,6 +190,8 @@ class Sweep:
         spec = asdict(self)
         for k in ("trials", "description", "max_retry", "heartbeat_s", "grace_s", "source", "kind", "baseline"):
             spec.pop(k)
+        if self.pruner["name"] == "none":  # nothing reads it: the studies without a pruner keep their names
+            spec.pop("prune_metric")
         configs = sorted({config_hash(compose(self.trial_overrides(p, self.seeds[0], extra))) for p in self.probes()})
         return short_hash({"spec": spec, "extra": changing_results(extra), "configs": configs}, 8)
 
@@ -211,6 +220,8 @@ class Sweep:
             first = first or cfg
             for obj in self.objectives:
                 _check_metric(obj.metric, cfg, f"{self.source}: objectives")
+            if self.pruner["name"] != "none":
+                _check_prune_metric(self.prune_key(cfg), cfg, f"{self.source}: pruner.metric")
         return first
 
 
@@ -261,6 +272,21 @@ def _check_metric(metric: str, cfg: DictConfig, where: str) -> None:
         raise ConfigError(where, f"'{metric}' needs backend '{backend}' in eval.backends ({list(e.backends)})")
 
 
+def _check_prune_metric(metric: str, cfg: DictConfig, where: str) -> None:
+    """A pruner reads a metric the trainer logs as it trains: a training curve, or one of the validation pass's."""
+    if metric.startswith("train/") and metric != metric_keys.train_stat("final_tokens_per_s"):
+        return
+    if metric.startswith("val/") and cfg.train.val_prompts == 0:
+        raise ConfigError(where, f"'{metric}' needs the validation pass; the runs have train.val_prompts=0")
+    logged = metric_keys.validation_keys(validation_depth(cfg))
+    if metric not in logged:
+        raise ConfigError(
+            where,
+            f"the runs log no '{metric}' while they train; expected {metric_keys.val_al(select_k(cfg))} (the "
+            f"default), another val/... key of the validation pass (k to {validation_depth(cfg)}), or {PROXY_METRIC}",
+        )
+
+
 def available(folder: Path = SWEEP_DIR) -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml"))
 
@@ -295,6 +321,7 @@ def load(name: str, folder: Path = SWEEP_DIR) -> Sweep:
         overrides=spec["overrides"],
         sampler=_named(raw.get("sampler"), spec["sampler"]),
         pruner=_named(raw.get("pruner"), spec["pruner"]),
+        prune_metric=spec["pruner"]["metric"],
         seeds=spec["seeds"],
         trials=spec["trials"],
         study=spec["study"],
@@ -357,4 +384,4 @@ def _named(raw: Any, checked: dict[str, Any]) -> dict[str, Any]:
     """A checked sampler or pruner as {name: NAME, OPTION: VALUE, ...}, in the file's order."""
     if not isinstance(raw, dict):
         return {"name": checked["name"], **checked["options"]}
-    return {k: checked["name"] if k == "name" else checked["options"][k] for k in raw}
+    return {k: checked["name"] if k == "name" else checked["options"][k] for k in raw if k != "metric"}

@@ -113,14 +113,24 @@ class SamplerSpec:
     shorthand = staticmethod(_named)
 
 
+def _named_pruner(value: Any) -> Any:
+    """A pruner as `_named` reads it, its `metric` kept apart from Optuna's options."""
+    if isinstance(value, dict) and "metric" in value:
+        return {**_named({k: v for k, v in value.items() if k != "metric"}), "metric": value["metric"]}
+    return _named(value)
+
+
 @dataclass
 class PrunerSpec:
-    EXPECTED: ClassVar[str] = "a pruner's name or {name: NAME, OPTION: VALUE, ...}"
+    EXPECTED: ClassVar[str] = "a pruner's name or {name: NAME, metric: KEY, OPTION: VALUE, ...}"
 
     name: PrunerName = MISSING
+    # what a trial reports as it trains: null, the exact validation AL at train.select_k (`val/k{k}/al`); or
+    # another key the trainer logs, such as the proxy over training batches, train/simulated_acc_len
+    metric: str | None = checked(None, expected="a metric key the runs log while training, or null", nonempty=True)
     options: dict[str, Any] = field(default_factory=dict)  # keyword arguments of Optuna's pruner
 
-    shorthand = staticmethod(_named)
+    shorthand = staticmethod(_named_pruner)
 
 
 _OVERRIDES = "a list of key=value overrides"

@@ -21,7 +21,6 @@ from lab.preflight import check_checkpoint
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.heartbeat import beating
 from lab.sweep.queue import enqueue_other_seeds, retry
-from lab.sweep.search_space import PRUNE_METRIC
 from lab.sweep.storage import Session
 from lab.sweep.summary import fmt
 
@@ -85,11 +84,13 @@ def run_trial(
     def on_start(run_id: str) -> None:
         trial.set_user_attr("mlflow_run_id", run_id)
 
+    prune_key = sweep.prune_key(cfg)
+
     def on_train_metrics(metrics: dict[str, float], step: int) -> None:
-        if len(sweep.objectives) == 1 and PRUNE_METRIC in metrics:
-            trial.report(metrics[PRUNE_METRIC], step)
+        if len(sweep.objectives) == 1 and prune_key in metrics:
+            trial.report(metrics[prune_key], step)
             if trial.should_prune():
-                raise track.RunStopped(f"pruned by Optuna at step {step}: {PRUNE_METRIC} {metrics[PRUNE_METRIC]:.3f}")
+                raise track.RunStopped(f"pruned by Optuna at step {step}: {prune_key} {metrics[prune_key]:.3f}")
 
     hooks = RunHooks(
         on_stage=lambda stage: log(f"{name}: {stage}"), on_start=on_start, on_train_metrics=on_train_metrics

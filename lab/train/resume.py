@@ -47,7 +47,7 @@ FORMAT = 2  # 2: the validation pass's history and, with train.select=best, the 
 # keys that change how a run is watched or whether it trains, not the weights it trains
 _NOT_IN_KEY = ("resume_every", "log_every", "reuse")
 # the validation pass only watches a training that keeps its last weights (train.select=last)
-_WATCHING = ("val_prompts", "val_every", "select", "select_k")
+_WATCHING = ("val_prompts", "val_every", "val_new_tokens", "select", "select_k")
 # the code that turns a training's config into weights: lab/ paths, hashed into `drafter_key`
 TRAINING_CODE = ("train", "drafter", "schedule.py", "device.py")
 

@@ -3,7 +3,8 @@
 A step's loss comes from the caller's backend (`lab.train.step.LossFn`); the native one is
 `lab.train.loss.ttt_loss` (TorchSpec / EAGLE semantics, only what the loss reads computed). What the loop
 keeps across steps sits beside it, so that the loop reads as a training loop: `BatchOrder` (which sequences
-each step reads), `TrainLog` (the logged metrics) and `Resumable` (what a resume state restores and captures).
+each step reads), `TrainLog` (the logged metrics), `Validation` (the validation pass every `train.val_every`
+steps, the caller's, and the checkpoint it selects) and `Resumable` (what a resume state restores and captures).
 """
 
 from __future__ import annotations
@@ -42,11 +43,20 @@ def simulated_acc_len(accs: list[float]) -> float:
 
 
 @dataclass
+class Selection:
+    """The checkpoint a training kept (`train.select`): after which step, and why, in words."""
+
+    step: int
+    why: str
+
+
+@dataclass
 class TrainResult:
     steps: int
-    seconds: float
+    seconds: float  # of training in this call, its validation passes left out
     tokens_per_s: float  # of the steps trained in this call (0 when a finished resume state was resumed)
     last: dict[str, float] = field(default_factory=dict)
+    selected: Selection | None = None
 
 
 def optimizer(params: list[torch.nn.Parameter], tcfg: DictConfig) -> torch.optim.AdamW:
@@ -113,6 +123,10 @@ class TrainLog:
         self.window, self.tokens, self.since = [], 0, time.time()
         return True
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (a validation pass) out of the window's tokens/s."""
+        self.since += seconds
+
     def postfix(self) -> dict[str, str]:
         """The progress bar's summary of the last record."""
         return {
@@ -120,6 +134,107 @@ class TrainLog:
             "acc0": f"{self.last[metric_keys.train_step_acc(0)]:.2f}",
             "sal": f"{self.last[metric_keys.train_stat('simulated_acc_len')]:.2f}",
         }
+
+
+@dataclass
+class ValidationPass:
+    """What one validation pass measured: its `val/...` metrics and the per-prompt counts behind them."""
+
+    metrics: dict[str, float]
+    prompts: list[dict]
+
+
+ValidateFn = Callable[[Eagle3Drafter], ValidationPass]
+PublishFn = Callable[[list[dict]], None]  # every pass so far, as `per_prompt/val.json`'s checkpoints
+
+
+class Validation:
+    """The validation pass beside the loop: `validate` (the caller's: lab/eval/validation.py over the validation
+    answers) every `every` steps and after the last, its metrics sent to `log` at the step with the training tokens
+    seen so far, its per-prompt counts to `publish`; it keeps the best pass by `key` (the exact AL at
+    train.select_k) and, with `keep_best`, that pass's weights. `set_id` names the validation set: a resume state
+    of another set's passes restores none. Its passes' seconds stay out of training's."""
+
+    def __init__(
+        self,
+        validate: ValidateFn,
+        every: int,
+        steps: int,
+        key: str,
+        keep_best: bool,
+        log: MetricsFn,
+        publish: PublishFn,
+        tokens_per_step: int,
+        set_id: str,
+    ) -> None:
+        self.validate, self.every, self.steps, self.key, self.keep_best = validate, every, steps, key, keep_best
+        self.send, self.publish, self.tokens_per_step, self.set_id = log, publish, tokens_per_step, set_id
+        self.history: list[tuple[int, dict[str, float]]] = []  # every (step, metrics) sent
+        self.checkpoints: list[dict] = []  # every pass's {step, train_tokens, prompts}
+        self.best_step, self.best_value = 0, None
+        self.best: dict[str, torch.Tensor] = {}  # keep_best: the best pass's weights
+        self.seconds = 0.0  # this call's passes
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.steps
+
+    def run(self, drafter: Eagle3Drafter, step: int) -> float:
+        """Validate the drafter after `step` (counted from 1); returns the pass's seconds."""
+        started = time.time()
+        drafter.eval()
+        measured = self.validate(drafter)
+        drafter.train()
+        seconds = time.time() - started
+        self.seconds += seconds
+        tokens = step * self.tokens_per_step
+        metrics = {**measured.metrics, metric_keys.val_stat("train_tokens"): tokens}
+        metrics[metric_keys.val_stat("seconds")] = seconds
+        value = metrics[self.key]
+        if self.best_value is None or value > self.best_value:  # a tie keeps the earlier pass
+            self.best_step, self.best_value = step, value
+            if self.keep_best:
+                self.best = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+        self.history.append((step, metrics))
+        self.checkpoints.append({"step": step, "train_tokens": tokens, "prompts": measured.prompts})
+        self.publish(self.checkpoints)
+        self.send(metrics, step)  # last: a pruner hearing it may stop the run
+        return seconds
+
+    def state(self) -> dict:
+        return {
+            "every": self.every,
+            "key": self.key,
+            "set": self.set_id,
+            "history": self.history,
+            "checkpoints": self.checkpoints,
+            "best_step": self.best_step,
+            "best_value": self.best_value,
+        }
+
+    def restore(self, state: ResumeState) -> None:
+        """The passes a resume state holds, sent and published again; none when they validated another way."""
+        v = state.validation
+        if (v.get("every"), v.get("key"), v.get("set")) != (self.every, self.key, self.set_id):
+            return
+        self.history, self.checkpoints = [(int(s), m) for s, m in v["history"]], list(v["checkpoints"])
+        self.best_step, self.best_value, self.best = v["best_step"], v["best_value"], dict(state.best)
+        for step, metrics in self.history:
+            self.send(metrics, step)
+        if self.checkpoints:
+            self.publish(self.checkpoints)
+
+    def select(self, drafter: Eagle3Drafter) -> Selection:
+        """With `keep_best`, load the best pass's weights into the drafter; the step kept and why."""
+        if not self.keep_best or not self.history:
+            return Selection(self.steps, f"train.select=last: the weights after the last step, {self.steps}")
+        if self.best_step != self.steps:
+            drafter.load_state_dict(self.best, strict=True)
+        last_step, last = self.history[-1]
+        return Selection(
+            self.best_step,
+            f"train.select=best: {self.key} {self.best_value:.4f} at step {self.best_step}, the best of "
+            f"{len(self.history)} validation passes (the last, step {last_step}: {last[self.key]:.4f})",
+        )
 
 
 @dataclass
@@ -132,6 +247,7 @@ class Resumable:
     scaler: torch.amp.GradScaler
     batches: BatchOrder
     log: TrainLog
+    validation: Validation | None = None
 
     def restore(self, state: ResumeState) -> None:
         self.batches.restore(state)
@@ -141,6 +257,8 @@ class Resumable:
         if state.scaler:
             self.scaler.load_state_dict(state.scaler)
         self.log.restore(state)
+        if self.validation is not None:
+            self.validation.restore(state)
 
     def state(self, step: int, steps: int, run_id: str | None) -> ResumeState:
         return ResumeState(
@@ -156,6 +274,8 @@ class Resumable:
             history=self.log.history,
             run_id=run_id,
             scaler=self.scaler.state_dict(),
+            validation=self.validation.state() if self.validation is not None else {},
+            best={k: v.cpu() for k, v in self.validation.best.items()} if self.validation is not None else {},
         )
 
 
@@ -170,6 +290,7 @@ def train(
     resume_writer: ResumeWriter | None = None,
     resume: ResumeState | None = None,
     loss: LossFn | None = None,
+    validation: Validation | None = None,
 ) -> TrainResult:
     """Train in place; `log(metrics, step)` receives the averaged metrics every `log_every` steps.
 
@@ -181,6 +302,9 @@ def train(
     and Ctrl-C stops after the current step with one. With `resume` (such a state, of the same training),
     training continues from its step and ends with the weights an uninterrupted run would have, bit for bit
     (same thread count); the metrics it logged are sent to `log` again first.
+
+    With `validation`, its pass runs every `validation.every` steps and after the last (logged through its own
+    callback), and the drafter ends with the weights it selects (`TrainResult.selected`).
 
     Batches go to the drafter's device. The drafter computes in `lm_head_weight`'s dtype, the target's (under
     autocast, its weights and AdamW's state staying float32; the config's `dtype` is the one knob), float16
@@ -194,7 +318,7 @@ def train(
     scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
     batches = BatchOrder(len(data), tcfg.batch_size, seed)
     metrics = TrainLog(log, tcfg.log_every, tcfg.steps)
-    resumable = Resumable(drafter, opt, scaler, batches, metrics)
+    resumable = Resumable(drafter, opt, scaler, batches, metrics, validation)
     start = 0
     if resume is not None:
         resumable.restore(resume)
@@ -232,6 +356,8 @@ def train(
             done = step + 1
             if metrics.add(done, value, stats, len(idx) * data.input_ids.shape[1], lr):
                 bar.set_postfix(**metrics.postfix())
+            if validation is not None and validation.due(done):
+                metrics.exclude(validation.run(drafter, done))
             # read once a step, after the step is logged: a Ctrl-C from here on still gets its resume state
             # (tests/hold/sitecustomize.py holds a test's training at its N-th read)
             stopping = stop.requested
@@ -241,9 +367,10 @@ def train(
                 raise Interrupted(stop.signum)
     bar.close()
     drafter.eval()
-    seconds = time.time() - started
+    seconds = time.time() - started - (validation.seconds if validation is not None else 0.0)
     tokens = (tcfg.steps - start) * tcfg.batch_size * data.input_ids.shape[1]
-    return TrainResult(tcfg.steps, seconds, tokens / max(seconds, 1e-9), metrics.last)
+    selected = validation.select(drafter) if validation is not None else None
+    return TrainResult(tcfg.steps, seconds, tokens / max(seconds, 1e-9), metrics.last, selected)
 
 
 def _progress_bar(drafter: Eagle3Drafter, tcfg: DictConfig, start: int, progress: bool) -> tqdm:
