@@ -230,10 +230,14 @@ def test_an_edited_profile_makes_another_study(tmp_path, monkeypatch):
     key = sweep.key(extra)
     assert sweep.key(extra) == key
     profile = configs / "profile" / "micro.yaml"
-    profile.write_text(profile.read_text() + "train:\n  steps: 7\n")
+    original = profile.read_text()
+    has_train = "\ntrain:\n" in original  # the profile's own train block takes the key, or a new one holds it
+    profile.write_text(
+        original.replace("\ntrain:\n", "\ntrain:\n  steps: 7\n") if has_train else original + "train:\n  steps: 7\n"
+    )
     assert sweep.key(extra) != key
     drafter = configs / "drafter" / "eagle31.yaml"  # one arm's config group
-    profile.write_text(profile.read_text().replace("train:\n  steps: 7\n", ""))
+    profile.write_text(original)
     assert sweep.key(extra) == key
     drafter.write_text(drafter.read_text() + "num_layers: 2\n")
     assert sweep.key(extra) != key
