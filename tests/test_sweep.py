@@ -597,6 +597,8 @@ def test_a_signal_stops_a_sweep_cleanly_and_the_rerun_finishes_it(signum, tmp_pa
     assert runs[killed_run].info.status == "KILLED" and runs[killed_run].data.tags["lab.signal"] == name
     assert len(runs) == 3
     assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "FINISHED", "KILLED"]
+    parent = track.get_run(f"sqlite:///{tmp_path / 'mlflow.db'}", resumed.parent_run_id)
+    assert parent.info.status == "FINISHED" and "lab.signal" not in parent.data.tags  # the stop is over
 
 
 @pytest.mark.slow
