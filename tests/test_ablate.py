@@ -64,8 +64,10 @@ def test_ablate_runs_every_arm_and_seed_once_and_resumes(micro_study):
     assert table.count("| EAGLE 3.1 | 2 |") == 1 and "| EAGLE-3 | 2 |" in table  # n = 2 seeds per arm
     assert "× [" in table  # the ratio to the baseline, with its paired bootstrap interval
     assert "over 2 prompts × 2 seeds per cell" in table  # eval.num_prompts=2, seeds 0 and 1
-    assert [t.name for t in rep.tables] == ["al", "acceptance", "drift", "rollout"]
-    assert {f.name for f in rep.figures} >= {"al_vs_depth", "accept_rate", "sink_self_mass", "norm_growth"}
+    # the runs validated while training (profile=micro): the proxies against the exact AL, the AL curves
+    assert [t.name for t in rep.tables] == ["al", "acceptance", "drift", "rollout", "proxy_bias"]
+    figures = {"al_vs_depth", "accept_rate", "sink_self_mass", "norm_growth", "al_curve", "al_ratio_vs_k"}
+    assert {f.name for f in rep.figures} >= figures
     sweep = micro_study.experiment.as_sweep(extra)
     again = launch(sweep, extra, ["ablate", "worker", "experiment=tiny"], progress=False)
     assert again.parent_run_id == first.parent_run_id

@@ -73,7 +73,7 @@ def test_lab_run_micro_end_to_end(micro_overrides, micro_target, workdir):
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"checkpoint", "config.yaml", "per_prompt"} <= artifacts
     per_prompt = {a.path for a in client.list_artifacts(run_id, "per_prompt")}
-    assert per_prompt == {"per_prompt/in_dist.json", "per_prompt/rollout.json"}
+    assert per_prompt == {"per_prompt/in_dist.json", "per_prompt/rollout.json", "per_prompt/val.json"}
     # the per-prompt records pool back to the logged metrics (the report's paired bootstrap reads them)
     from lab.report import paired
 
@@ -141,7 +141,8 @@ def test_warm_caches_builds_what_the_runs_then_find(micro_overrides, micro_targe
     cfg = compose([*micro_overrides, "data.num_sequences=24"])  # a selection no other test caches
     caches = [Path(cfg.cache_dir) / "hidden", Path(cfg.cache_dir) / "answers"]
     before = [set(c.glob("*")) for c in caches]
-    assert set(warm_caches(cfg, progress=False)) == {"target", "data", "cache", "heldout", "suites", "answers"}
+    stages = {"target", "data", "validation", "cache", "heldout", "suites", "answers"}  # validation: its answers
+    assert set(warm_caches(cfg, progress=False)) == stages
     built = [set(c.glob("*")) - b for c, b in zip(caches, before, strict=True)]
     assert len([p for p in built[0] if (p / "manifest.json").is_file()]) == 1
     assert any(caches[1].glob("*/manifest.json"))  # the answers (built here, or by an earlier test's same suites)

@@ -230,10 +230,14 @@ def test_an_edited_profile_makes_another_study(tmp_path, monkeypatch):
     key = sweep.key(extra)
     assert sweep.key(extra) == key
     profile = configs / "profile" / "micro.yaml"
-    profile.write_text(profile.read_text() + "train:\n  steps: 7\n")
+    original = profile.read_text()
+    has_train = "\ntrain:\n" in original  # the profile's own train block takes the key, or a new one holds it
+    profile.write_text(
+        original.replace("\ntrain:\n", "\ntrain:\n  steps: 7\n") if has_train else original + "train:\n  steps: 7\n"
+    )
     assert sweep.key(extra) != key
     drafter = configs / "drafter" / "eagle31.yaml"  # one arm's config group
-    profile.write_text(profile.read_text().replace("train:\n  steps: 7\n", ""))
+    profile.write_text(original)
     assert sweep.key(extra) == key
     drafter.write_text(drafter.read_text() + "num_layers: 2\n")
     assert sweep.key(extra) != key
@@ -593,6 +597,8 @@ def test_a_signal_stops_a_sweep_cleanly_and_the_rerun_finishes_it(signum, tmp_pa
     assert runs[killed_run].info.status == "KILLED" and runs[killed_run].data.tags["lab.signal"] == name
     assert len(runs) == 3
     assert sorted(r.info.status for r in runs.values()) == ["FINISHED", "FINISHED", "KILLED"]
+    parent = track.get_run(f"sqlite:///{tmp_path / 'mlflow.db'}", resumed.parent_run_id)
+    assert parent.info.status == "FINISHED" and "lab.signal" not in parent.data.tags  # the stop is over
 
 
 @pytest.mark.slow

@@ -171,32 +171,47 @@ def regenerate(
     if [r["id"] for r in records] != expected:
         raise RuntimeError(f"regeneration cache {path}: stored conversation ids differ from the requested ones")
     out = [Conversation(r["id"], tuple(r["messages"])) for r in records]
-    seconds = run["generation_seconds"]
-    stats = {
-        "hit": hit,
-        "backend": backend,
-        "dtype": gen_dtype,
-        "conversations": len(out),
-        "generated_tokens": run["generated_tokens"],
-        "seconds": time.time() - started,
-        "generation_seconds": seconds,
-        "tokens_per_s": run["generated_tokens"] / seconds if seconds > 0 else 0.0,
-        "chunks_generated": run["chunks_generated"],
-        "chunks_loaded": len(chunks) - run["chunks_generated"],
-        # over this selection's chunks, whichever runs produced them: what a hit saves
-        "total_generated_tokens": sum(p["generated_tokens"] for p in parts),
-        "total_generation_seconds": sum(p["seconds"] for p in parts),
-    }
     ended = {r["id"]: r["cut"] for r in records if r["cut"]}
-    stats["cut_seq_len"] = sum(v == "seq_len" for v in ended.values())
-    stats["cut_empty"] = sum(v == "empty" for v in ended.values())
     dropped = len(conversations) - len(out)
+    stats = _stats(hit, backend, gen_dtype, out, run, started, len(chunks), parts, ended)
     if cut.seconds is not None:
         stats["cut_seconds"], stats["cut_dropped"] = cut.seconds, dropped
         if dropped:
             said = f"{len(out)} of {len(conversations)} conversations"
             print(f"regenerate: cut at {cut.seconds:g} s (data.regenerate_seconds): {said}", flush=True)
     return RegenResult(out, stats, path, ended, dropped)
+
+
+def _stats(
+    hit: bool,
+    backend: str,
+    dtype: str,
+    out: list[Conversation],
+    run: dict[str, Any],
+    started: float,
+    chunks: int,
+    parts: list[dict],
+    ended: dict[str, str],
+) -> dict[str, Any]:
+    """What a regeneration logs: what this call generated and loaded, and over the selection's `parts`, whichever
+    runs produced them, what a hit saves; `ended` holds the conversations cut short, by why."""
+    seconds = run["generation_seconds"]
+    return {
+        "hit": hit,
+        "backend": backend,
+        "dtype": dtype,
+        "conversations": len(out),
+        "generated_tokens": run["generated_tokens"],
+        "seconds": time.time() - started,
+        "generation_seconds": seconds,
+        "tokens_per_s": run["generated_tokens"] / seconds if seconds > 0 else 0.0,
+        "chunks_generated": run["chunks_generated"],
+        "chunks_loaded": chunks - run["chunks_generated"],
+        "total_generated_tokens": sum(p["generated_tokens"] for p in parts),
+        "total_generation_seconds": sum(p["seconds"] for p in parts),
+        "cut_seq_len": sum(v == "seq_len" for v in ended.values()),
+        "cut_empty": sum(v == "empty" for v in ended.values()),
+    }
 
 
 def _now() -> float:

@@ -27,6 +27,8 @@ from lab.track.queries import _equals
 from lab.track.store import configure, is_server, store_lock
 from lab.track.writers import _writing
 
+SIGNAL_TAG = "lab.signal"  # the signal that stopped a run (ended KILLED); a study's parent sheds it when resumed
+
 _PARAM_BATCH = 100  # MLflow's limit per log_batch call
 # a server store makes MLflow print two "View run" links per run: the workbench prints its own lines
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
@@ -148,7 +150,7 @@ def _ends_with_status(run: Run) -> Iterator[Run]:
         raise
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGUSR1 (lab/signals.py): named in a tag
         with contextlib.suppress(Exception):
-            mlflow.set_tag("lab.signal", signals.signal_of(exc).name)
+            mlflow.set_tag(SIGNAL_TAG, signals.signal_of(exc).name)
         mlflow.end_run(status="KILLED")
         raise
     except BaseException:
@@ -215,6 +217,8 @@ def parent_run(
             if found:
                 active = mlflow.start_run(run_id=found[0].info.run_id)
                 mlflow.set_tags(all_tags)
+                if SIGNAL_TAG in found[0].data.tags:  # the stop it names is over: the study runs again
+                    MlflowClient().delete_tag(active.info.run_id, SIGNAL_TAG)
             else:
                 active = mlflow.start_run(experiment_id=exp_id, run_name=run_name, tags=all_tags)
         with _ends_with_status(Run(active.info.run_id)) as run:

@@ -1,5 +1,5 @@
 """What one TTT training step computes, shared by the trainer (`ttt.py`) and the TorchSpec backend
-(`torchspec.py`) so that neither imports the other: the caller picks the backend's loss and passes it to
+(`torchspec_backend.py`) so that neither imports the other: the caller picks the backend's loss and passes it to
 `lab.train.ttt.train`."""
 
 from __future__ import annotations

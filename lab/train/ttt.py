@@ -324,6 +324,7 @@ def train(
         resumable.restore(resume)
         start = resume.step
     batch_loss = loss if loss is not None else functools.partial(ttt_loss, drafter)
+    optimized = Optimized(batch_loss, opt, scaler, params, lm_head_weight, tcfg, precision)
     drafter.train()
     started = time.time()
     bar = _progress_bar(drafter, tcfg, start, progress)
@@ -332,27 +333,7 @@ def train(
         for step in bar:
             idx = batches.next()
             lr = warmup_cosine(step, tcfg.steps, tcfg.warmup_steps, tcfg.lr, tcfg.min_lr_ratio)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            with autocast(device, precision):
-                stats = batch_loss(
-                    data.input_ids[idx].to(device),
-                    data.aux[idx].to(device),
-                    data.final[idx].to(device),
-                    lm_head_weight,
-                    tcfg.ttt_length,
-                    tcfg.step_weight,
-                    data.loss_mask[idx].to(device),
-                )
-            value = stats.loss.item()  # one host sync a step, for the finite check and the log alike
-            if not math.isfinite(value):
-                raise FloatingPointError(f"non-finite training loss at step {step}: {value}")
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(stats.loss).backward()
-            scaler.unscale_(opt)  # the gradient's norm is clipped as it is, not as scaled
-            torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
-            scaler.step(opt)
-            scaler.update()
+            value, stats = _optimizer_step(optimized, data, idx, lr, step)
             done = step + 1
             if metrics.add(done, value, stats, len(idx) * data.input_ids.shape[1], lr):
                 bar.set_postfix(**metrics.postfix())
@@ -371,6 +352,51 @@ def train(
     tokens = (tcfg.steps - start) * tcfg.batch_size * data.input_ids.shape[1]
     selected = validation.select(drafter) if validation is not None else None
     return TrainResult(tcfg.steps, seconds, tokens / max(seconds, 1e-9), metrics.last, selected)
+
+
+@dataclass
+class Optimized:
+    """What one optimizer step needs beside its batch: the loss, AdamW and its gradient scaler, the parameters it
+    clips, the target's lm_head and the training settings."""
+
+    loss: LossFn
+    opt: torch.optim.AdamW
+    scaler: torch.amp.GradScaler
+    params: list[torch.nn.Parameter]
+    lm_head_weight: torch.Tensor
+    tcfg: DictConfig
+    precision: torch.dtype
+
+
+def _optimizer_step(
+    o: Optimized, data: HiddenStates, idx: torch.Tensor, lr: float, step: int
+) -> tuple[float, StepStats]:
+    """One step over the rows `idx` of `data` at learning rate `lr`: the TTT loss, its scaled backward, the clipped
+    gradient, the update. Returns the loss's value (read once, for the finite check and the log alike) and its
+    stats."""
+    for group in o.opt.param_groups:
+        group["lr"] = lr
+    device, t = o.params[0].device, o.tcfg
+    with autocast(device, o.precision):
+        stats = o.loss(
+            data.input_ids[idx].to(device),
+            data.aux[idx].to(device),
+            data.final[idx].to(device),
+            o.lm_head_weight,
+            t.ttt_length,
+            t.step_weight,
+            data.loss_mask[idx].to(device),
+        )
+    value = stats.loss.item()
+    if not math.isfinite(value):
+        raise FloatingPointError(f"non-finite training loss at step {step}: {value}")
+    o.opt.zero_grad(set_to_none=True)
+    o.scaler.scale(stats.loss).backward()
+    o.scaler.unscale_(o.opt)  # the gradient's norm is clipped as it is, not as scaled
+    torch.nn.utils.clip_grad_norm_(o.params, t.grad_clip)
+    o.scaler.step(o.opt)
+    o.scaler.update()
+    return value, stats
 
 
 def _progress_bar(drafter: Eagle3Drafter, tcfg: DictConfig, start: int, progress: bool) -> tqdm:
