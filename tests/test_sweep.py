@@ -406,7 +406,7 @@ def test_records_and_forwarded_lines_from_many_threads_never_run_together(monkey
 
     def forwards() -> None:
         for _ in range(20):
-            logs.write_line(forwarded + "\n")
+            logs.forward(forwarded + "\n", "1", "lab.sweep.workers")
 
     threads = [threading.Thread(target=f) for f in (records, forwards, records, forwards)]
     for t in threads:

@@ -34,10 +34,7 @@ class _Reader(threading.Thread):
     def run(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if logs.RECORD.match(line):
-                logs.write_line(line)
-            else:
-                logger.info(line.rstrip(), extra={"worker": self.worker})
+            logs.forward(line, self.worker, logger.name)
 
 
 def gpu_placement(count: int, gpus: list[int] | None, device_count: int, visible: str | None) -> list[str | None]:
