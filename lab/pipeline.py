@@ -96,7 +96,8 @@ def set_threads(cfg: DictConfig) -> None:
 
 class StageClock:
     """A run's stages, one after another: each is announced to `on_stage` as it starts and its seconds are
-    recorded in `seconds` as it ends (the run's `time/{stage}_s`); a stage that fails records none."""
+    recorded in `seconds` as it ends (the run's `time/{stage}_s`); a stage that fails records none. Its start and
+    its end with the seconds are log lines, so a long job's log says where its time went."""
 
     def __init__(self, on_stage: Callable[[str], None] = lambda stage: None) -> None:
         self.on_stage = on_stage

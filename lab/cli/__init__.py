@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    logs.setup(args.verbosity, _worker(args))
+    logs.setup(getattr(args, "verbosity", 0), _worker(args))
     with signals.taken():
         try:
             check_path_args(args)
