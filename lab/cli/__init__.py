@@ -2,8 +2,9 @@
 
 lab/cli/registry.py names every verb, its module and its summary; `build_parser` lists them all and imports the
 modules of the verbs a command line names (lab/cli/common.py `Verb`: the handler, `cmd_*`, its arguments and
-help), and `main` dispatches to the handler. A handler checks everything first (composing, lab/preflight.py,
-the store), then does its work; finding a study and its parts is lab/sweep/find.py's.
+help), and `main` sets the log (lab/logs.py: every verb's -q and -v, a study worker's name) and dispatches to
+the handler. A handler checks everything first (composing, lab/preflight.py, the store), then does its work;
+finding a study and its parts is lab/sweep/find.py's.
 """
 
 from __future__ import annotations
