@@ -80,3 +80,10 @@ def exit_now(code: int, handlers: bool = True) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+# The `lab` loggers' lines on stderr, time-stamped, from the first import (a script, a notebook, a benchmark);
+# the `lab` command sets their level (-q, -v) and a worker's name (lab/logs.py).
+from lab import logs  # noqa: E402 - after what the modules of lab need set at import
+
+logs.setup()

@@ -14,6 +14,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -388,7 +391,7 @@ def built_entry(folder: Path, info: str, identity: Identity, rebuilding: bool = 
         return False
     wrong = identity.mismatch(record)
     if wrong is not None and rebuilding:
-        print(f"cache entry {entry_name(folder)}: {wrong}; rebuilding it")
+        logger.warning(f"cache entry {entry_name(folder)}: {wrong}; rebuilding it")
     return wrong is None
 
 

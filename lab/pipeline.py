@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 import os
 import tempfile
 import time
@@ -28,7 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lab import metrics as metric_keys
-from lab import stamps, track
+from lab import track
 from lab.config import ConfigError, DataSource, Decoder, Select, rollout_depth, select_k, val_every, validation_depth
 from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
 from lab.config.shape import aux_layers
@@ -53,6 +54,8 @@ from lab.train import resume, torchspec_backend
 from lab.train.loss import ttt_loss
 from lab.train.step import LossFn
 from lab.train.ttt import Validation, ValidationPass, train
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,13 +90,14 @@ def thread_count(cfg: DictConfig) -> int:
 def set_threads(cfg: DictConfig) -> None:
     cores = os.cpu_count() or 1
     if cfg.threads and cfg.threads > cores:
-        print(f"threads={cfg.threads}: capped at {cores}, this machine's cores")
+        logger.warning(f"threads={cfg.threads}: capped at {cores}, this machine's cores")
     torch.set_num_threads(thread_count(cfg))
 
 
 class StageClock:
     """A run's stages, one after another: each is announced to `on_stage` as it starts and its seconds are
-    recorded in `seconds` as it ends (the run's `time/{stage}_s`); a stage that fails records none."""
+    recorded in `seconds` as it ends (the run's `time/{stage}_s`); a stage that fails records none. Its start and
+    its end with the seconds are log lines, so a long job's log says where its time went."""
 
     def __init__(self, on_stage: Callable[[str], None] = lambda stage: None) -> None:
         self.on_stage = on_stage
@@ -110,10 +114,10 @@ class StageClock:
     def timed(self, name: str) -> Iterator[None]:
         """Time the block as `name` unannounced: a span of stages that `on_stage` hears one by one."""
         started = time.time()
-        stamps.stage(name)
+        logger.info(f"stage {name}: start")
         yield
         self.seconds[name] = time.time() - started
-        stamps.stage(name, self.seconds[name])
+        logger.info(f"stage {name}: end, {self.seconds[name]:.1f} s")
 
 
 @dataclass
@@ -475,7 +479,7 @@ def _trained_alike(cfg: DictConfig, target: Target, train_key: str, layers: list
         if found is None:
             return None
         drafter = load_checkpoint(found.checkpoint, embed_weight=target.embed_weight, aux_layers=layers)
-    print(
+    logger.info(
         f"training: the drafter of run {found.trained_by} (train_key {train_key}), trained with the same "
         "config, seed and code; train.reuse=false trains it again"
     )
@@ -541,7 +545,7 @@ def _train(
         )
     if result.selected is not None:
         mlrun.set_tags(dict(zip(SELECTION_TAGS, (result.selected.step, result.selected.why), strict=True)))
-        print(f"training kept the weights after step {result.selected.step}: {result.selected.why}")
+        logger.info(f"training kept the weights after step {result.selected.step}: {result.selected.why}")
     if result.tokens_per_s > 0:  # none when the resume state was already at the last step
         return Trained(drafter, {metric_keys.train_stat("final_tokens_per_s"): result.tokens_per_s})
     return Trained(drafter)
@@ -557,7 +561,7 @@ def _resume_state(
     writer = resume.ResumeWriter(resume_dir, cfg.train.resume_every, mlrun.id, identity)
     state = resume.load(resume_dir, cfg.train.steps)
     if state is not None:
-        print(f"resuming training from step {state.step} of {state.steps} (resume state {resume_dir.name})")
+        logger.info(f"resuming training from step {state.step} of {state.steps} (resume state {resume_dir.name})")
         mlrun.set_tags({"resumed_from_step": state.step, "resume_checkpoint": resume_dir.name})
         if state.run_id:
             mlrun.set_tags({"resumed_from_run": state.run_id})
@@ -630,7 +634,9 @@ def _held_resume_dir(path: Path | None) -> Iterator[Path | None]:
         return
     with claim(path.with_name(path.name + ".lock")) as mine:
         if not mine:
-            print(f"resume state {path.name}: another process trains this configuration now; none for this run")
+            logger.warning(
+                f"resume state {path.name}: another process trains this configuration now; none for this run"
+            )
             yield None
             return
         try:
@@ -661,7 +667,7 @@ def _evaluate_vllm(cfg: DictConfig, mlrun, target, drafter, suites, progress: bo
     reason = vllm_backend.unservable(drafter.spec, target.path, cfg.eval.vllm.format, torch.cuda.is_available())
     if reason:
         mlrun.set_tags({"vllm_skipped": reason})
-        print(f"vLLM backend skipped, reference backend only: {reason}")
+        logger.warning(f"vLLM backend skipped, reference backend only: {reason}")
         return {}
     log = Path(cfg.cache_dir) / "logs" / mlrun.id / "vllm_worker.log"  # kept: a failure names it
     try:

@@ -7,13 +7,13 @@ are kept and no stage whose cache came along is paid again. Exits with the study
 
     python scripts/study_session.py --out OUT/drift_2x2.tar.gz --seeds 0 experiment=drift_2x2 profile=gpu [...]
 
-`scripts/gpu_session.sh study` runs it. Each line it prints starts with the time of day.
+`scripts/gpu_session.sh study` runs it. Its lines and the study's start with the time and the level (lab/logs.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import signal
 import subprocess
 import sys
@@ -23,8 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's lab, installed or not
 
-from lab import stamps  # noqa: E402 - after the path
-from lab.stamps import say  # noqa: E402
+from lab import logs  # noqa: E402 - after the path
+
+logs.setup()  # this script's lines as the study's: the time and the level first
+
+say = logging.getLogger("lab.study_session").info
 
 ENDED = ("FINISHED", "FAILED", "KILLED")
 
@@ -43,10 +46,8 @@ def main() -> int:
     export = [*lab, "study", "export", *args.overrides, *seeds, "--with-optuna", "--with-caches"]
     export += ["--cache-limit", args.cache_limit, "--out", str(args.out)]
     # a session of its own: a signal to this script's group (`timeout`'s) reaches the study once, through here
-    env = {**os.environ, stamps.ENV: "1"}  # its stages and compiles say when they start and end
-    study = subprocess.Popen(
-        [*lab, "ablate", *args.overrides, *seeds, "--no-progress"], env=env, start_new_session=True
-    )
+    # its stages and compiles are log lines: when each starts and ends
+    study = subprocess.Popen([*lab, "ablate", *args.overrides, *seeds, "--no-progress"], start_new_session=True)
     stop = Stop(study)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(signum, stop.pass_on)

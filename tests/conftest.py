@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from helpers import TEST_THREADS, stated_threads
 
+from lab import logs
 from lab.config.composition import compose
 from lab.config.shape import aux_layers
 
@@ -67,6 +68,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     config.option.loadscopereorder = False  # the order above, not xdist's most-tests-first
     return FileGroups(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _default_log():
+    """Each test starts with the log as a plain `lab` command sets it (INFO, no worker name), whatever a `-q`,
+    `-v` or worker command before it set."""
+    logs.setup()
 
 
 @pytest.fixture(autouse=True)

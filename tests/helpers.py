@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -19,6 +20,14 @@ from lab.drafter import DrafterSpec, Eagle3Drafter
 # order of a reduction's sums), a test's verdict must not. LAB_TEST_THREADS runs the suite at another count, to show
 # that the verdicts hold there too (docs/testing.md).
 TEST_THREADS = int(os.environ.get("LAB_TEST_THREADS", "2"))
+# a line of the `lab` log (lab/logs.py): `2026-12-02 02:41:07 INFO    [worker 1] lab.pipeline: message`
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d [A-Z]+ +(?:\[worker [^]]+\] )?lab[\w.]*: (.*)")
+
+
+def logged(err: str) -> list[str]:
+    """The messages of the `lab` log lines in `err` (a captured stderr), without their time, level, worker and
+    logger."""
+    return [m.group(1) for line in err.splitlines() if (m := LOG_LINE.match(line))]
 
 
 @contextmanager

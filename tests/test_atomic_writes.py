@@ -386,7 +386,7 @@ def test_resume_checkpoint_on_a_full_disk_keeps_the_previous_one(tmp_path, monke
     assert loaded_step(path) == 4 and leftovers(path.parent) == []
     save_state(path, 8)
     assert loaded_step(path) == 8
-    assert capsys.readouterr().out == ""  # never a checkpoint refused: nothing partial was there to refuse
+    assert capsys.readouterr().err == ""  # never a checkpoint refused: nothing partial was there to refuse
 
 
 @pytest.mark.parametrize(
@@ -406,7 +406,7 @@ def test_resume_checkpoint_killed_before_its_rename_is_the_previous_one_or_none(
     assert loaded_step(path) == step and leftovers(path.parent)  # the new checkpoint, whole, under its temp name
     save_state(path, 8)
     assert loaded_step(path) == 8 and leftovers(path.parent) == []
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
 
 
 # ------------------------------------------------------------------------------------- drafter checkpoints

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import logged
 from safetensors.torch import load_file
 
 from lab.config.shape import aux_layers
@@ -133,7 +134,7 @@ def test_heldout_states_are_captured_once_and_give_the_rollout_of_a_fresh_captur
     states.write_bytes(states.read_bytes()[:1000])
     again = heldout_states(micro_target, heldout, layers, tmp_path)
     assert not again.hit and torch.equal(again.aux, aux) and torch.equal(again.top, top)
-    assert f"cache entry {states} is missing or does not match its manifest hash" in capsys.readouterr().out
+    assert f"cache entry {states} is missing or does not match its manifest hash" in capsys.readouterr().err
     other = heldout_states(micro_target, type(heldout)(heldout.input_ids[:2], heldout.loss_mask[:2]), layers, tmp_path)
     assert other.path != again.path and torch.equal(other.top, top[:2])
 
@@ -163,7 +164,7 @@ def test_interrupted_build_resumes_from_its_finished_shards(
     capsys.readouterr()
     resumed = build_or_load(micro_target, seqs, micro_cfg.data, layers, tmp_path / "resumed", 4, progress=False)
     assert calls == [4, 4, 2, 2]  # the rerun captured the last shard only
-    assert capsys.readouterr().out.splitlines() == [f"hidden-state cache: {n} of 10 sequences" for n in (4, 8, 10)]
+    assert logged(capsys.readouterr().err) == [f"hidden-state cache: {n} of 10 sequences" for n in (4, 8, 10)]
     assert not resumed.stats["hit"] and not list((tmp_path / "resumed" / "hidden").glob("*.partial"))
     assert torch.equal(resumed.aux, straight.aux) and torch.equal(resumed.final, straight.final)
     assert (

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import logged
 from omegaconf import OmegaConf
 
 from lab.config import ConfigError
@@ -126,7 +127,7 @@ def test_hidden_states_under_another_key_are_rebuilt(
     move(built.path, key)
     capsys.readouterr()
     got = cache.build_or_load(micro_target, seqs, dcfg, layers, tmp_path / "cache", progress=False)
-    out = capsys.readouterr().out.splitlines()  # the line, then the capture's progress
+    out = logged(capsys.readouterr().err)  # the line, then the capture's progress
     assert out == [f"cache entry hidden/{key}: {line}; rebuilding it", "hidden-state cache: 4 of 4 sequences"]
     assert not got.stats["hit"] and same_hidden(got, fresh)
     assert cache.build_or_load(micro_target, seqs, dcfg, layers, tmp_path / "cache", progress=False).stats["hit"]
@@ -143,7 +144,7 @@ def test_an_interrupted_build_of_another_key_starts_over(micro_cfg, micro_target
     capsys.readouterr()
     got = cache.build_or_load(micro_target, seqs, micro_cfg.data, OTHER_LAYERS, tmp_path / "cache", progress=False)
     line = f"cache entry hidden/{key}.partial: built for aux=[1, 2, 3], this run asks [0, 2, 3]; capturing its shards"
-    assert capsys.readouterr().out.startswith(line)
+    assert logged(capsys.readouterr().err)[0].startswith(line)
     assert same_hidden(got, fresh)
 
 
@@ -156,7 +157,7 @@ def test_heldout_states_under_another_key_are_rebuilt(micro_target, micro_sequen
     capsys.readouterr()
     got = cache.heldout_states(micro_target, heldout, OTHER_LAYERS, tmp_path / "cache")
     line = f"cache entry heldout/{key}: built for aux=[1, 2, 3], this run asks [0, 2, 3]; rebuilding it"
-    assert capsys.readouterr().out.splitlines() == [line]
+    assert logged(capsys.readouterr().err) == [line]
     assert not got.hit and torch.equal(got.aux, fresh.aux) and torch.equal(got.top, fresh.top)
 
 
@@ -170,7 +171,7 @@ def test_code_sequences_under_another_key_are_chosen_again(micro_cfg, micro_targ
     capsys.readouterr()
     got = cache.code_sequences(micro_target, other, tmp_path / "cache")
     line = f"cache entry sequences/{key}: built for data.heldout_sequences=16, this run asks 8; rebuilding it"
-    assert capsys.readouterr().out.splitlines() == [line]
+    assert logged(capsys.readouterr().err) == [line]
     want = training_sequences(micro_target.tokenizer, other)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.input_ids, w.input_ids) and torch.equal(g.loss_mask, w.loss_mask)
@@ -186,7 +187,7 @@ def test_answers_under_another_key_are_rebuilt(micro_target, tmp_path, capsys):
     capsys.readouterr()
     got = answers_mod.suite_answers(micro_target, prompts, 10, stops, LAYERS, tmp_path / "cache")
     line = f"cache entry answers/{key}: built for length=12, this run asks 10; rebuilding it"
-    assert capsys.readouterr().out.splitlines() == [line]
+    assert logged(capsys.readouterr().err) == [line]
     assert not got.hit and got.sequences == fresh.sequences and torch.equal(got.aux, fresh.aux)
 
 
@@ -241,7 +242,7 @@ def test_a_built_target_under_another_key_is_built_again(tmp_path, capsys):
     got = target_build.build(tcfg, tmp_path, progress=False)
     assert got == wanted
     line = f"cache entry targets/{wanted.name}: built for spec.steps=2, this run asks 3; rebuilding it"
-    assert capsys.readouterr().out.splitlines() == [line]
+    assert logged(capsys.readouterr().err) == [line]
     info = json.loads((got / target_build.BUILD_INFO).read_text())
     assert info["config"]["steps"] == 3 and info[IDENTITY] == target_build.target_identity(tcfg, _files(tcfg)).fields
     assert target_build.target_key(tcfg, _files(tcfg)) == wanted.name.removeprefix(f"{tcfg.name}-")
@@ -293,7 +294,7 @@ def test_a_converted_gguf_under_another_key_is_converted_again(tmp_path, monkeyp
     assert got == moved
     info = json.loads((got / gguf.BUILD_INFO).read_text())
     line = f"cache entry targets/{wanted}: built for sha256={digest}, this run asks {info['sha256']}; rebuilding it"
-    assert capsys.readouterr().out.splitlines() == [line]
+    assert logged(capsys.readouterr().err) == [line]
     assert info["sha256"].startswith(wanted.removeprefix("t-")) and info[IDENTITY] == {"sha256": info["sha256"]}
 
 

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import default_sigint
+from helpers import default_sigint, logged
 from mlflow.tracking import MlflowClient
 
 EXPERIMENT = ["experiment=drift_2x2", "--seeds", "0", "--no-progress"]  # 4 arms x 1 seed
@@ -153,7 +153,7 @@ def test_a_store_being_created_is_waited_for_and_a_current_one_opens_without_the
     with open(tmp_path / "mlflow.db.lab-schema.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as another process holds it while it creates the store
         proc = _open_store(uri)
-        said = proc.stderr.readline()  # it says why it waits, then waits
+        said = logged(proc.stderr.readline())[0]  # it says why it waits, then waits
         assert said.startswith("waiting: another lab process is creating or upgrading the MLflow store"), said
         assert proc.poll() is None and not (tmp_path / "mlflow.db").exists()
     out, err = proc.communicate(timeout=300)

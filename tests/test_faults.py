@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import default_sigint, hold_training, small_drafter, wait_held
+from helpers import default_sigint, hold_training, logged, small_drafter, wait_held
 
 from lab import track
 from lab.config.composition import compose
@@ -111,7 +111,7 @@ def test_corrupted_resume_checkpoint_is_ignored(tmp_path, capsys, name):
     resume.save(path, _state())
     _damage(path / name, "flip")
     assert resume.load(path, steps=10) is None
-    out = capsys.readouterr().out.strip().splitlines()
+    out = logged(capsys.readouterr().err)
     assert out == [
         f"resume state {path}: {name} does not match its manifest hash (corrupted or truncated); "
         "ignoring it, training from scratch"
@@ -138,7 +138,7 @@ def test_corrupted_resume_checkpoint_trains_from_scratch(micro_overrides, micro_
     _damage(path / "optimizer.safetensors", "truncate")
     capsys.readouterr()
     result = run(cfg, progress=False)
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert f"resume state {path}: optimizer.safetensors does not match its manifest hash" in out
     assert "resuming" not in out
     runs = {r.info.run_id: r for r in track.search_runs(cfg.tracking.uri, "faults")}
@@ -221,7 +221,7 @@ def test_sigterm_then_rerun_resumes_to_the_uninterrupted_weights(micro_overrides
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     step = manifest["step"]
-    assert f"resuming training from step {step} of 40 (resume state {path.name})" in again.stdout
+    assert f"resuming training from step {step} of 40 (resume state {path.name})" in again.stderr
     run_id = again.stdout.strip().splitlines()[-1]
     finished = track.get_run(cfg.tracking.uri, run_id)
     assert finished.info.status == "FINISHED"

@@ -20,6 +20,7 @@ from fuzz.files import FILE_CASES, FILE_KEYS, all_file_cases
 from fuzz.mutations import mutation_classes
 from fuzz.oracle import Fuzzer, Valid, tree
 from fuzz.surface import CONFIG_KEYS, SEED, STORE, VERBS, Case, base_argvs, seeded_rng
+from helpers import logged
 from test_bad_input import _overrides, recorded, snapshot  # noqa: F401  (recorded: a fixture)
 
 from lab import track
@@ -173,7 +174,7 @@ def test_a_worker_count_above_the_cores_is_capped_unless_forced(fuzz, monkeypatc
         capped = fuzz.outcome(Case("--workers", "capped", [*argv, "--workers", "64", STORE], ()))
         forced = fuzz.outcome(Case("--workers", "forced", [*argv, "--workers", "64", "--force", STORE], ()))
         assert capped.valid and forced.valid, (capped, forced)
-        assert said in capped.out.splitlines() and said not in forced.out
+        assert said in logged(capped.err) and said not in forced.err
         assert used[-2:] == [2, 64]
 
 

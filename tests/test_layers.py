@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAB = ROOT / "lab"
 
 DESIGN = ROOT / "docs" / "design.md"
-BASE = {"lab", "lab.fsutil", "lab.assets", "lab.schedule", "lab.device", "lab.signals", "lab.stamps"}
+BASE = {"lab", "lab.fsutil", "lab.assets", "lab.schedule", "lab.device", "lab.signals", "lab.logs"}
 
 # The rules are docs/design.md's, read from its "Import rules" section, so that the page and the checks below
 # cannot say different things: the layer table (each layer: the layers its modules may import) and the two

@@ -74,7 +74,7 @@ def test_the_next_command_that_opens_the_store_closes_an_orphan(store, capsys):
     uri, art = store
     run_id = _killed_run(uri, art)
     assert main(["studies", f"tracking.uri={uri}", "--no-headline"]) == 0
-    assert f"note: ended FAILED run {run_id}" in capsys.readouterr().err
+    assert f"ended FAILED run {run_id}" in capsys.readouterr().err
     assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
 
 

@@ -175,7 +175,7 @@ def test_a_drafter_trained_alike_is_reused_not_trained_again(micro_overrides, mi
     hooks = RunHooks(on_stage=stages.append)
     capsys.readouterr()
     second = run(compose([*common, "study=reuse-b", "eval.num_speculative_tokens=[2]"]), progress=False, hooks=hooks)
-    assert f"training: the drafter of run {first.run_id} (train_key " in capsys.readouterr().out
+    assert f"training: the drafter of run {first.run_id} (train_key " in capsys.readouterr().err
     assert "cache" not in stages and "train" not in stages and "drafter" in stages
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     a, b = track.get_run(uri, first.run_id), track.get_run(uri, second.run_id)

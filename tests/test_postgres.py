@@ -86,7 +86,7 @@ def test_three_workers_on_postgres_survive_a_killed_worker(
         _lab("sweep", f"sweep={tmp_path / 'spec.yaml'}", "--workers", "0", *extra), capture_output=True, text=True
     )
     assert queued.returncode == 0, queued.stderr[-3000:]
-    assert "6 to run (6 newly queued)" in queued.stdout and ":lab@" not in queued.stdout  # no password in logs
+    assert "6 to run (6 newly queued)" in queued.stderr and ":lab@" not in queued.stderr  # no password in logs
 
     worker = _lab("sweep", "worker", f"sweep={tmp_path / 'spec.yaml'}", "--no-progress", *extra)
     logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(3)]

@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 import torch
+from helpers import logged
 
 from lab.data import regenerate as regen
 from lab.data.conversations import Conversation
@@ -101,7 +102,7 @@ def test_answers_are_the_targets_own_greedy_decoding(micro_target, chat, tmp_pat
 
 def test_deterministic(micro_target, chat, tmp_path, capsys):
     first = run(micro_target, chat, tmp_path / "one", chunk_size=2)
-    assert [line.split(",")[0] for line in capsys.readouterr().out.splitlines()] == [
+    assert [line.split(",")[0] for line in logged(capsys.readouterr().err)] == [
         f"regenerate: {n} of 3 chunks"
         for n in (1, 2, 3)  # without bars, a line per chunk says how far it is
     ]

@@ -157,7 +157,7 @@ def test_the_answer_cache_is_reused_rebuilt_when_damaged_and_refused_when_mismat
     file.write_bytes(file.read_bytes()[:-8])  # truncated: no longer its manifest's hash
     rebuilt = suite_answers(micro_target, prompts, 12, stops, layers, tmp_path)
     assert not rebuilt.hit and rebuilt.sequences == first.sequences
-    assert "does not match its manifest hash; rebuilding it" in capsys.readouterr().out
+    assert "does not match its manifest hash; rebuilding it" in capsys.readouterr().err
     other = compute_answers(micro_target, [[3, 4, 5]], 12, stops, layers)  # whole, but for other prompts
     shutil.rmtree(first.path)
     write_answers(other, first.path, first.path.name, micro_target.fingerprint, layers, 12)

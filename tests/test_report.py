@@ -289,7 +289,7 @@ def test_report_filters_that_match_nothing_are_refused(store, tmp_path, capsys):
     part = tmp_path / "part"
     assert main(["report", "experiment=drift_2x2", "--seeds", "1,5", "--out", str(part), *overrides]) == 0
     err = capsys.readouterr().err
-    assert "note: --seeds: seed 5 has no finished run in study drift_2x2-test; reporting seed 1" in err
+    assert "--seeds: seed 5 has no finished run in study drift_2x2-test; reporting seed 1" in err
     rows = list(csv.DictReader(io.StringIO((part / "tables" / "al.csv").read_text())))
     # seed 1's runs alone: one per arm, and none of eagle31 (its seed 1 failed)
     assert {r["arm"]: r["n"] for r in rows} == {"eagle3": "1", "fc_norm": "1", "norm_output": "1", "eagle31": "0"}

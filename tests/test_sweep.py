@@ -5,7 +5,9 @@ study without duplicates, and a clearly worse trial is pruned."""
 from __future__ import annotations
 
 import io
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,15 +17,15 @@ from pathlib import Path
 
 import optuna
 import pytest
-from helpers import default_sigint, hold_training, wait_held
+from helpers import default_sigint, hold_training, logged, wait_held
 
-from lab import track
+from lab import logs, track
 from lab.config import ConfigError, redact
 from lab.sweep import engine, experiment, queue, search_space, storage
 from lab.sweep import optuna_adapter as adapter
 from lab.sweep.engine import launch
 from lab.sweep.search_space import Sweep
-from lab.sweep.workers import WholeLines, worker_subprocesses
+from lab.sweep.workers import worker_subprocesses
 
 FAST = ["train.steps=6", "eval.num_prompts=2"]
 
@@ -323,7 +325,7 @@ def test_worker_subprocesses_start_after_the_shared_caches_are_warm_on_every_cor
     class Started(Exception):
         pass
 
-    def started(worker_args, extra, threads, count, log, gpus=None):
+    def started(worker_args, extra, threads, count, gpus=None):
         calls.append(("worker_subprocesses", threads, count))
         raise Started
 
@@ -383,43 +385,52 @@ def _first_trial_waits_for_another_worker(monkeypatch, sweep: Sweep, extra: list
     monkeypatch.setattr(trial_module, "run_one", run_one)
 
 
-def test_lines_printed_from_two_threads_at_once_never_run_together():
-    """The launcher prints its worker's stage lines while its worker subprocesses' lines are forwarded from
-    other threads: a line that one thread writes in pieces still comes out whole, and a piece left without its newline
-    ends on a line of its own."""
-    out = io.StringIO()
-    lines = WholeLines(out)
-    started, forwarded = threading.Event(), threading.Event()
+class Piecemeal(io.StringIO):
+    """A stream that takes each write a character at a time, letting other threads run between them: two writers
+    without a common lock would run their lines together."""
 
-    def worker_0() -> None:
-        print("[w0] trial 0 (eagle3, seed 0): train", end="", file=lines)  # `print` writes the newline apart
-        started.set()
-        forwarded.wait()
-        print(file=lines)
-        print("[w0] left without a newline", end="", file=lines)
+    def write(self, text: str) -> int:
+        for char in text:
+            super().write(char)
+            time.sleep(0)
+        return len(text)
 
-    def reader_1() -> None:
-        started.wait()
-        print("[w1] trial 1 (eagle31, seed 0): data", file=lines)
-        forwarded.set()
 
-    threads = [threading.Thread(target=worker_0), threading.Thread(target=reader_1)]
+def test_records_and_forwarded_lines_from_many_threads_never_run_together(monkeypatch):
+    """The launcher logs its own trials while its worker subprocesses' lines are forwarded from other threads
+    (lab/sweep/workers.py): each record and each forwarded line comes out whole, one write under one lock."""
+    out = Piecemeal()
+    monkeypatch.setattr(sys, "stderr", out)
+    log = logging.getLogger("lab.sweep.trial")
+    forwarded = "2026-12-02 02:41:07 INFO    [worker 1] lab.sweep.trial: trial 1 (eagle31, seed 0): data"
+
+    def records() -> None:
+        for i in range(20):
+            log.info(f"trial 0 (eagle3, seed 0): step {i}")
+
+    def forwards() -> None:
+        for _ in range(20):
+            logs.forward(forwarded + "\n", "1", "lab.sweep.workers")
+
+    threads = [threading.Thread(target=f) for f in (records, forwards, records, forwards)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert out.getvalue() == "[w1] trial 1 (eagle31, seed 0): data\n[w0] trial 0 (eagle3, seed 0): train\n"
-    lines.close_lines()
-    assert out.getvalue().splitlines()[-1] == "[w0] left without a newline"
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 80 and lines.count(forwarded) == 40
+    assert logged(out.getvalue()).count("trial 0 (eagle3, seed 0): step 7") == 2
 
 
-def test_worker_subprocesses_send_the_launchers_stdout_through_whole_lines(capsys):
-    with worker_subprocesses(["--help"], [], None, 1, print):
-        assert isinstance(sys.stdout, WholeLines)
-        print("[w0] a stage line")
-    printed = capsys.readouterr().out.splitlines()
-    assert "[w0] a stage line" in printed and any(line.startswith("[w1] usage: lab") for line in printed)
-    assert all(line.startswith(("[w0] ", "[w1] ")) for line in printed)
+def test_worker_subprocesses_forward_each_line_naming_its_worker(capsys):
+    """A worker's lines that are not its own records (its command's output: here its help) are forwarded as the
+    launcher's records that name the worker; the launcher's own lines name it worker 0."""
+    with worker_subprocesses(["--help"], [], None, 1), logs.as_worker("0"):
+        logging.getLogger("lab.sweep.engine").info("a stage line")
+    err = capsys.readouterr().err.splitlines()
+    assert any(re.fullmatch(r"\S+ \S+ INFO    \[worker 0\] lab.sweep.engine: a stage line", line) for line in err)
+    assert any(re.match(r"\S+ \S+ INFO    \[worker 1\] lab.sweep.workers: usage: lab", line) for line in err)
+    assert all(re.match(r"\S+ \S+ INFO    \[worker [01]\] ", line) for line in err), err
 
 
 @pytest.mark.slow

@@ -2,22 +2,27 @@
 
 lab/cli/registry.py names every verb, its module and its summary; `build_parser` lists them all and imports the
 modules of the verbs a command line names (lab/cli/common.py `Verb`: the handler, `cmd_*`, its arguments and
-help), and `main` dispatches to the handler. A handler checks everything first (composing, lab/preflight.py,
-the store), then does its work; finding a study and its parts is lab/sweep/find.py's.
+help), and `main` sets the log (lab/logs.py: every verb's -q and -v, a study worker's name) and dispatches to
+the handler. A handler checks everything first (composing, lab/preflight.py, the store), then does its work;
+finding a study and its parts is lab/sweep/find.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import socket
 import sys
 from types import ModuleType
 from typing import NoReturn
 
-from lab import exit_now, signals
-from lab.cli.common import HelpNames, Parser, Verb, check_path_args, described, fail
+from lab import exit_now, logs, signals
+from lab.cli.common import HelpNames, Parser, Verb, check_path_args, described, fail, verbosity_arguments, worker_mode
 from lab.cli.registry import COMMANDS, EPILOG, Command, help_names, named_in
 from lab.config import ConfigError
+
+WORKER_INDEX = "LAB_WORKER_INDEX"  # set by the launcher in each worker subprocess it starts
 
 
 def build_parser(words: list[str] | None = None) -> argparse.ArgumentParser:
@@ -67,6 +72,7 @@ def _help_texts(target: Verb | ModuleType | None, names: HelpNames) -> dict[str,
 
 def _add_arguments(parser: argparse.ArgumentParser, verb: Verb) -> None:
     verb.arguments(parser)
+    verbosity_arguments(parser)
     parser.set_defaults(handler=verb.handler)
     paths = [(a.dest, (a.option_strings or [a.metavar or a.dest.upper()])[-1], a.type.path) for a in parser._actions
              if getattr(a.type, "path", ())]  # fmt: skip
@@ -84,6 +90,14 @@ def console() -> NoReturn:
     exit_now(main())
 
 
+def _worker(args: argparse.Namespace) -> str | None:
+    """The name a worker's log lines carry: its number where a launcher started it (lab/sweep/workers.py),
+    else "host:pid" (`lab VERB worker` started by hand); None for any other command."""
+    if not worker_mode(getattr(args, "overrides", None) or [])[0]:
+        return None
+    return os.environ.get(WORKER_INDEX) or f"{socket.gethostname()}:{os.getpid()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     words = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(words)
@@ -93,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    logs.setup(getattr(args, "verbosity", 0), _worker(args))
     with signals.taken():
         try:
             check_path_args(args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import os
 import re
 import sys
@@ -19,6 +20,8 @@ from typing import Any, NoReturn
 
 from lab.config import SQLITE_STORE, ConfigError
 from lab.config.rules import PathRule, path_problem
+
+logger = logging.getLogger(__name__)
 
 HelpNames = dict[str, str]  # "experiments", "sweeps", "top_level" -> the names there are, for the help texts
 STORE_KEYS = ("tracking.uri", "tracking.artifact_root")  # the files of the store `lab ui`, `server`, `doctor` open
@@ -96,6 +99,13 @@ def one_line(message: str) -> str:
     if (bad := re.fullmatch(r"ignored explicit argument (.*)", text)) is not None:
         return f"{option}: a flag, expected no value, got {bad.group(1)}"
     return f"{option}: {text}"
+
+
+def verbosity_arguments(p: argparse.ArgumentParser) -> None:
+    """-q and -v, which every verb takes: the log's level (lab/logs.py)."""
+    p.set_defaults(verbosity=0)
+    p.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1, help="log warnings only")
+    p.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1, help="log debug lines too")
 
 
 def fail(message: str, code: int = 2) -> int:
@@ -187,7 +197,7 @@ def reachable(uri: str) -> str:
         ) from None
     track.check_writable(uri)  # refused now, in one line, while `lab doctor --rekey` rewrites the store
     for orphan in track.close_orphans(uri):  # a run whose process died (SIGKILL, OOM, a lost node) ends FAILED
-        print(f"note: ended FAILED {orphan.said()}", file=sys.stderr)
+        logger.warning(f"ended FAILED {orphan.said()}")
     return uri
 
 
@@ -224,7 +234,7 @@ def capped_workers(args: argparse.Namespace, option: str = "--workers") -> int:
     cores = os.cpu_count() or 1
     workers = 1 if args.workers is None else args.workers
     if workers > cores and not args.force:
-        print(f"{option} {workers}: capped at {cores}, this machine's cores (--force keeps {workers})")
+        logger.warning(f"{option} {workers}: capped at {cores}, this machine's cores (--force keeps {workers})")
         return cores
     return workers
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import logging
 from dataclasses import asdict
 
 from lab.cli.common import STORE_KEYS, SWEEP_FILE, Verb, reachable
 from lab.config import redact
 from lab.config.composition import compose
+
+logger = logging.getLogger(__name__)
 
 
 def cmd_studies(args: argparse.Namespace) -> int:
@@ -53,7 +55,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     else:
         parent_id, note = find_parent(uri, sweep.experiment, sweep.name, sweep.study_name(extra))
     if note:
-        print(f"note: {note}", file=sys.stderr)
+        logger.warning(note)
     rows = listing.runs(uri, track.get_run(uri, parent_id))
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))

@@ -4,13 +4,15 @@ beside the studies): both from MLflow alone, nothing rerun."""
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
 from lab.cli.common import Verb, named, path_type, reachable
 from lab.config import ConfigError, redact
 from lab.config.composition import compose
+
+logger = logging.getLogger(__name__)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -36,7 +38,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.seeds is not None:
         notes.append(find.seeds_found(study, exp.seeds))
     for note in filter(None, notes):
-        print(f"note: {note}", file=sys.stderr)
+        logger.warning(note)
     rep = write_report(exp, extra, study, args.out, args.seeds)
     print(rep.main_table())
     for t in rep.tables:

@@ -18,7 +18,7 @@ those stages again (--no-caches leaves them).
 from __future__ import annotations
 
 import argparse
-import sys
+import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,8 @@ from lab.config import ConfigError, redact
 from lab.config.composition import compose
 from lab.config.rules import PathRule
 from lab.preflight import check_paths
+
+logger = logging.getLogger(__name__)
 
 EPILOG = (  # `lab study -h`'s
     "examples:\n  lab study export experiment=drift_2x2 profile=quick --seeds 0,1 --out drift.tar.gz\n"
@@ -83,7 +85,7 @@ def cmd_study_export(args: argparse.Namespace) -> int:
     from lab.track.study_archive import caches
 
     if note:
-        print(f"note: {note}", file=sys.stderr)
+        logger.warning(note)
     study = {"kind": kind, "name": sweep.name, "experiment": sweep.experiment, "optuna_study": study_name}
     study["overrides"] = [redact(o) for o in extra]
     cached = _study_caches(uri, parent_id, Path(cfg.cache_dir), args.cache_limit) if args.with_caches else None

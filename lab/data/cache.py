@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable
@@ -48,6 +49,8 @@ from lab.fsutil import (
 )
 from lab.target import Target, capture, chunked_argmax, corpus, target_logits
 from lab.target.capture import Captured
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 SHARD_SEQUENCES = 256
@@ -116,14 +119,18 @@ def verified_or_built(path: Path, build: Callable[[], dict], identity: Identity)
     built under the entry's lock. An entry there that fails a check is rebuilt; one line says why."""
     manifest, _ = _check(path, identity)
     if manifest is not None:
+        logger.debug(f"cache entry {entry_name(path)}: reused")
         return manifest, True
     with file_lock(path.with_suffix(".lock")):
         manifest, wrong = _check(path, identity)  # another process may have built it while we waited
         if manifest is not None:
+            logger.debug(f"cache entry {entry_name(path)}: reused, built by another process")
             return manifest, True
         if wrong is not None:
-            print(f"{wrong}; rebuilding it")
-        return build(), False
+            logger.warning(f"{wrong}; rebuilding it")
+        manifest = build()
+        logger.debug(f"cache entry {entry_name(path)}: built")
+        return manifest, False
 
 
 def _read(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
@@ -196,7 +203,7 @@ def _build(target, sequences, aux_layers, path, identity: Identity, batch_size, 
         else:
             bar.update(len(chunk))
         if not progress:  # a log without bars still says how far a long capture is
-            print(f"hidden-state cache: {start + len(chunk)} of {len(sequences)} sequences")
+            logger.info(f"hidden-state cache: {start + len(chunk)} of {len(sequences)} sequences")
         shards.append(
             {
                 "file": name,
@@ -232,7 +239,7 @@ def _start_partial(partial: Path, identity: Identity) -> None:
     moved here) starts over. Its manifest records the identity before the first shard is captured."""
     wrong = identity.mismatch(read_manifest(partial, MANIFEST))
     if wrong is not None:
-        print(f"cache entry {entry_name(partial)}: {wrong}; capturing its shards again")
+        logger.warning(f"cache entry {entry_name(partial)}: {wrong}; capturing its shards again")
         shutil.rmtree(partial)
     partial.mkdir(parents=True, exist_ok=True)
     with atomic_file(partial / MANIFEST) as tmp:

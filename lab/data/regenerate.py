@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from lab.config import ConfigError
 from lab.data.conversations import Conversation
 from lab.fsutil import IDENTITY, Identity, atomic_file, entry_name, file_lock, read_manifest, sha256_file, short_hash
 from lab.target.generate import Greedy, open_generator, resolve_backend, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 2  # 2: parts named by their chunk's conversations, so selections share them
 MANIFEST = "manifest.json"
@@ -178,7 +181,7 @@ def regenerate(
         stats["cut_seconds"], stats["cut_dropped"] = cut.seconds, dropped
         if dropped:
             said = f"{len(out)} of {len(conversations)} conversations"
-            print(f"regenerate: cut at {cut.seconds:g} s (data.regenerate_seconds): {said}", flush=True)
+            logger.info(f"regenerate: cut at {cut.seconds:g} s (data.regenerate_seconds): {said}")
     return RegenResult(out, stats, path, ended, dropped)
 
 
@@ -276,7 +279,9 @@ def _verified(path: Path, identity: Identity | None = None) -> dict | None:
         if (path / name).is_file() and sha256_file(path / name) == part["sha256"]:
             good[name] = part
         else:
-            print(f"regeneration cache: {path / name} is missing or does not match its manifest hash; redoing it")
+            logger.warning(
+                f"regeneration cache: {path / name} is missing or does not match its manifest hash; redoing it"
+            )
     manifest["parts"] = good
     return manifest
 
@@ -323,7 +328,7 @@ def _build(
         rate = run["generated_tokens"] / max(run["generation_seconds"], 1e-9)
         bar.set_postfix(tok_s=f"{rate:.0f}")
         if not progress:  # a log without bars still says how far a long regeneration is
-            print(f"regenerate: {run['chunks_generated']} of {len(todo)} chunks, {rate:.0f} tokens/s", flush=True)
+            logger.info(f"regenerate: {run['chunks_generated']} of {len(todo)} chunks, {rate:.0f} tokens/s")
 
     with (
         tqdm(total=turns, desc="regenerate", unit="turn", disable=not progress) as bar,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,8 @@ from lab.drafter import DrafterSpec, Eagle3Drafter, VllmFacts, save_native, save
 from lab.eval.reference import DecodeStats
 from lab.eval.vllm_worker import PROGRESS, SERVED
 from lab.fsutil import last_error_line
+
+logger = logging.getLogger(__name__)
 
 Metrics = dict[str, float | list[float]]
 
@@ -199,7 +202,7 @@ def _run_worker(job: dict, paths: list[str], log_path: Path, timeout_s: float, p
                     returncode = int(value)  # `exit`: the job is over
                     break
                 if progress and line.startswith(PROGRESS):
-                    print("vllm:" + line[len(PROGRESS) :].rstrip(), flush=True)
+                    logger.info("vllm:" + line[len(PROGRESS) :].rstrip())
             if proc is not None:
                 returncode = proc.wait()
         finally:

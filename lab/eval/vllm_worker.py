@@ -70,8 +70,9 @@ def _delta(after: dict, before: dict) -> dict:
 
 
 def say(message: str) -> None:
-    """A progress line; the parent process echoes lines with this prefix to the user."""
-    print(f"{PROGRESS} {message}", flush=True)
+    """A progress line of the protocol on stdout: the parent process logs lines with this prefix."""
+    sys.stdout.write(f"{PROGRESS} {message}\n")
+    sys.stdout.flush()
 
 
 def run(job: dict) -> dict:
@@ -183,9 +184,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"] and len(argv) == 3:
         return serve(argv[1], argv[2])
     if len(argv) != 2:
-        print(
-            "usage: python -m lab.eval.vllm_worker JOB.json RESULT.json | --serve KV_CACHE_GIB THREADS", file=sys.stderr
-        )
+        sys.stderr.write("usage: python -m lab.eval.vllm_worker JOB.json RESULT.json | --serve KV_CACHE_GIB THREADS\n")
         return 2
     job = json.loads(open(argv[0]).read())
     configure_environment(job)

@@ -25,9 +25,9 @@ records), `workers` (worker subprocesses), and `optuna_adapter` (every use of Op
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,8 @@ import torch
 from omegaconf import DictConfig
 from optuna.trial import TrialState
 
+from lab import logs, track
 from lab import metrics as metric_keys
-from lab import track
 from lab.config import ConfigError, redact
 from lab.config.composition import compose
 from lab.device import resolve_device
@@ -49,6 +49,8 @@ from lab.sweep.storage import Session, dashboard_command, open_session
 from lab.sweep.summary import finish, spec_params, study_span
 from lab.sweep.trial import RUN_FAILURES, run_trial
 from lab.sweep.workers import gpu_placement, place_this_process, worker_subprocesses
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,25 +65,22 @@ class SweepResult:
     summary: str
 
 
-def run_waiting_trials(
-    s: Session,
-    threads: int | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> None:
+def run_waiting_trials(s: Session, threads: int | None = None, progress: bool = True) -> None:
     """Run WAITING trials until none is left and no other worker runs one (a dead worker's is retried)."""
     worker = worker_name()
     observed: dict[int, tuple[Any, float]] = {}
     started, waiting_said = time.time(), False
     while True:
-        recover_stale(s, observed, log)
+        recover_stale(s, observed)
         trial = pop(s)
         if trial is not None:
             waiting_said = False
-            run_trial(s, trial, worker, threads, progress, log)
+            run_trial(s, trial, worker, threads, progress)
             c = counts(s)
             minutes = (time.time() - started) / 60
-            log(f"[{c['finished']}/{s.user_attr('budget')} finished, {c['running']} running, {minutes:.1f} min]")
+            logger.info(
+                f"[{c['finished']}/{s.user_attr('budget')} finished, {c['running']} running, {minutes:.1f} min]"
+            )
             continue
         running = s.trials((TrialState.RUNNING,))
         if not running:
@@ -89,18 +88,14 @@ def run_waiting_trials(
         if not waiting_said:
             numbers = ", ".join(str(t.number) for t in running)
             grace = s.sweep.grace_s
-            log(f"waiting for trial(s) {numbers} in other workers (retried if a worker is silent for {grace:.0f} s)")
+            logger.info(
+                f"waiting for trial(s) {numbers} in other workers (retried if a worker is silent for {grace:.0f} s)"
+            )
             waiting_said = True
         time.sleep(min(5.0, s.sweep.heartbeat_s))
 
 
-def join(
-    sweep: Sweep,
-    extra: list[str],
-    threads: int | None = None,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> None:
+def join(sweep: Sweep, extra: list[str], threads: int | None = None, progress: bool = True) -> None:
     """`lab sweep worker`: work on a study another process started, from this or another machine."""
     cfg = compose(sweep.trial_overrides(sweep.base_point(), sweep.seeds[0], extra))
     check_checkpoint(cfg)
@@ -109,27 +104,29 @@ def join(
     s.parent_run_id = s.user_attr("mlflow_parent_run_id", "")
     if not s.parent_run_id:
         raise ConfigError("sweep", f"study '{s.study.study_name}' has no MLflow parent run; start it with `lab sweep`")
-    log(f"worker {worker_name()} joined study {s.study.study_name} in {redact(s.storage_url)}")
-    run_waiting_trials(s, threads, progress, log)
+    logger.info(f"worker {worker_name()} joined study {s.study.study_name} in {redact(s.storage_url)}")
+    run_waiting_trials(s, threads, progress)
     # the queue is empty and no trial runs anywhere: whichever worker gets here last leaves the summary
     finish(s, *study_span(s))
     track.end_run(s.uri, s.parent_run_id, "FINISHED")
 
 
-def _warm(cfg: DictConfig, progress: bool, log: Callable[[str], None]) -> None:
+def _warm(cfg: DictConfig, progress: bool) -> None:
     """The first trial's shared caches, built here on every core before the workers start: else the first
     worker builds them on its share of the cores while the others wait on the cache's lock. A failure is left
     to the trials, which record it (each builds what it needs)."""
-    log("warming the caches the trials share (target, data, hidden states, suites, greedy answers) on every core first")
+    logger.info(
+        "warming the caches the trials share (target, data, hidden states, suites, greedy answers) on every core first"
+    )
     try:
         seconds = warm_caches(cfg, progress)
     except RUN_FAILURES as exc:
-        log(f"warming the caches failed ({type(exc).__name__}: {exc}); each trial builds what it needs")
+        logger.warning(f"warming the caches failed ({type(exc).__name__}: {exc}); each trial builds what it needs")
         return
-    log(f"caches warm in {sum(seconds.values()):.0f} s")
+    logger.info(f"caches warm in {sum(seconds.values()):.0f} s")
 
 
-def _placement(cfg: DictConfig, workers: int, log: Callable[[str], None]) -> list[str | None]:
+def _placement(cfg: DictConfig, workers: int) -> list[str | None]:
     """Each worker's GPU (`gpu_placement`) where the study computes on CUDA; this process (worker 0) takes
     its own with `set_device`."""
     if resolve_device(cfg)[0].type != "cuda":
@@ -141,7 +138,7 @@ def _placement(cfg: DictConfig, workers: int, log: Callable[[str], None]) -> lis
     placed = gpu_placement(workers, gpus, count, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if placed[0] is not None:
         place_this_process(gpus, count)
-        log("  GPUs: " + ", ".join(f"w{i} on GPU {gpu}" for i, gpu in enumerate(placed)))
+        logger.info("GPUs: " + ", ".join(f"worker {i} on GPU {gpu}" for i, gpu in enumerate(placed)))
     return placed
 
 
@@ -152,7 +149,6 @@ def launch(
     workers: int = 1,
     trials: int | None = None,
     progress: bool = True,
-    log: Callable[[str], None] = print,
 ) -> SweepResult:
     """Create or resume the study, top its queue up to the total budget, run `workers` workers (this
     process and workers - 1 subprocesses `lab <worker_args> ...`) until the queue is empty, summarize.
@@ -187,7 +183,7 @@ def launch(
         added = top_up(s, budget)
         c = counts(s)
         join_cmd = " ".join(["lab", *worker_args, *(redact(o) for o in extra)])  # logs keep no password
-        log(
+        logger.info(
             f"sweep {sweep.name}: study {name} in {redact(s.storage_url)}\n"
             f"  budget {budget} trials: {c['finished']} finished, {c['waiting']} to run "
             f"({added} newly queued), {c['running']} running elsewhere; {workers} worker(s) here\n"
@@ -203,12 +199,12 @@ def launch(
             note = f"queued; the study's parent run stays RUNNING until a worker finishes its last trial: {join_cmd}"
             return SweepResult(name, redact(s.storage_url), parent.id, budget, c, 0, 0.0, note)
         count = min(workers, c["waiting"]) - 1  # no more workers than queued trials
-        gpus = _placement(cfg, count + 1, log)
+        gpus = _placement(cfg, count + 1)
         if count > 0:
-            _warm(cfg, progress, log)
-        with worker_subprocesses(worker_args, extra, threads, count, log, gpus):
-            prefix = "[w0] " if workers > 1 else ""
-            run_waiting_trials(s, threads, progress and workers == 1, lambda m: log(prefix + m))
+            _warm(cfg, progress)
+        # with workers beside it, this process is worker 0, and its lines say so
+        with worker_subprocesses(worker_args, extra, threads, count, gpus), logs.as_worker("0" if count else None):
+            run_waiting_trials(s, threads, progress and workers == 1)
         c = counts(s)
         ran = c["finished"] - finished_before
         seconds = time.time() - started

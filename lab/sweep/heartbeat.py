@@ -6,9 +6,10 @@ one that finds any run left RUNNING (lab/track/liveness.py), whose names it uses
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from optuna.trial import TrialState
@@ -20,6 +21,8 @@ from lab.sweep.storage import Session
 
 __all__ = ["beating", "process_gone", "recover_stale", "worker_name"]
 from lab.track.liveness import process_gone, worker_name
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -42,7 +45,7 @@ def beating(s: Session, trial: adapter.AnyTrial) -> Iterator[None]:
         thread.join()
 
 
-def recover_stale(s: Session, observed: dict[int, tuple[Any, float]], log: Callable[[str], None]) -> None:
+def recover_stale(s: Session, observed: dict[int, tuple[Any, float]]) -> None:
     """Fail and retry RUNNING trials whose worker is gone; `observed` remembers when each heartbeat last changed."""
     now = time.time()
     for ft in s.trials((TrialState.RUNNING,)):
@@ -58,4 +61,6 @@ def recover_stale(s: Session, observed: dict[int, tuple[Any, float]], log: Calla
         if run_id:
             track.end_run(s.uri, run_id, "FAILED", {"trial_state": "FAIL"})
         again = retry(s, ft, s.sweep.max_retry)
-        log(f"trial {ft.number}: worker {worker or '?'} stopped; " + ("retrying it" if again else "retries used up"))
+        logger.warning(
+            f"trial {ft.number}: worker {worker or '?'} stopped; " + ("retrying it" if again else "retries used up")
+        )

@@ -3,8 +3,8 @@ run that already computed exactly this config), report training to the pruner, t
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import optuna
@@ -23,6 +23,8 @@ from lab.sweep.heartbeat import beating
 from lab.sweep.queue import enqueue_other_seeds, retry
 from lab.sweep.storage import Session
 from lab.sweep.summary import fmt
+
+logger = logging.getLogger(__name__)
 
 # what fails one run (bad data, a non-finite loss, a full disk) and not the study
 RUN_FAILURES = (RuntimeError, ValueError, FloatingPointError, OSError)
@@ -52,9 +54,7 @@ def _values_of_run(s: Session, run: Any) -> list[float]:
     return [obj.value(metrics) for obj in s.sweep.objectives]
 
 
-def run_trial(
-    s: Session, trial: optuna.Trial, worker: str, threads: int | None, progress: bool, log: Callable[[str], None]
-) -> None:
+def run_trial(s: Session, trial: optuna.Trial, worker: str, threads: int | None, progress: bool) -> None:
     """One trial: compose, run (or reuse a finished run), tell Optuna."""
     sweep = s.sweep
     point, seed = int(trial.user_attrs["point"]), int(trial.user_attrs["seed"])
@@ -78,7 +78,7 @@ def run_trial(
             trial.set_user_attr("mlflow_run_id", done.info.run_id)
             trial.set_user_attr("reused", True)
             s.study.tell(trial, values)
-            log(f"{name}: already finished as MLflow run {done.info.run_id[:8]}: {fmt(sweep, values)}")
+            logger.info(f"{name}: already finished as MLflow run {done.info.run_id[:8]}: {fmt(sweep, values)}")
             return
 
     def on_start(run_id: str) -> None:
@@ -93,7 +93,7 @@ def run_trial(
                 raise track.RunStopped(f"pruned by Optuna at step {step}: {prune_key} {metrics[prune_key]:.3f}")
 
     hooks = RunHooks(
-        on_stage=lambda stage: log(f"{name}: {stage}"), on_start=on_start, on_train_metrics=on_train_metrics
+        on_stage=lambda stage: logger.info(f"{name}: {stage}"), on_start=on_start, on_train_metrics=on_train_metrics
     )
     tags = {"trial": trial.number, "optuna_study": s.study.study_name, "sweep": sweep.name}
     started = time.time()
@@ -103,7 +103,7 @@ def run_trial(
         except track.RunStopped as stop:
             s.study.tell(trial, state=TrialState.PRUNED)
             _tag_run(s, trial, "PRUNED")
-            log(f"{name}: {stop}")
+            logger.info(f"{name}: {stop}")
             return
         except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGUSR1: queued again at once, not after the grace
             trial.set_user_attr("error", f"interrupted ({signals.signal_of(exc).name})")
@@ -113,7 +113,7 @@ def run_trial(
         except RUN_FAILURES as exc:  # recorded FAILED; the study goes on
             trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
             s.study.tell(trial, state=TrialState.FAIL)
-            log(f"{name}: FAILED: {type(exc).__name__}: {exc}")
+            logger.warning(f"{name}: FAILED: {type(exc).__name__}: {exc}")
             return
     try:
         values = [o.value(result.metrics) for o in sweep.objectives]
@@ -121,7 +121,7 @@ def run_trial(
         trial.set_user_attr("error", f"the run did not log the objective {exc}")
         s.study.tell(trial, state=TrialState.FAIL)
         _tag_run(s, trial, "FAIL")
-        log(f"{name}: FAILED: the run did not log the objective {exc}")
+        logger.warning(f"{name}: FAILED: the run did not log the objective {exc}")
         return
     m = result.metrics
     trial.set_user_attr("seconds", time.time() - started)
@@ -131,7 +131,7 @@ def run_trial(
         trial.set_user_attr("cache_build_s", float(m[metric_keys.cache_stat("build_seconds")]))
     s.study.tell(trial, values)
     _tag_run(s, trial, "COMPLETE")
-    log(f"{name}: {fmt(sweep, values)} in {time.time() - started:.0f} s")
+    logger.info(f"{name}: {fmt(sweep, values)} in {time.time() - started:.0f} s")
 
 
 def _tag_run(s: Session, trial: optuna.Trial, state: str) -> None:

@@ -1,69 +1,40 @@
-"""Worker subprocesses of `lab sweep --workers N`: each is `lab <worker_args> ...` (a `lab sweep worker`),
-its output forwarded line by line with its number; Ctrl-C reaches them, and none outlives the launcher."""
+"""Worker subprocesses of `lab sweep --workers N`: each is `lab <worker_args> ...` (a `lab sweep worker`), its
+log lines (which carry its number) forwarded line by line to the launcher's stderr; Ctrl-C reaches them, and none
+outlives the launcher. Each line goes out in one write under the lock the launcher's own records are written
+under (lab/logs.py), so no two lines run together."""
 
 from __future__ import annotations
 
 import contextlib
-import io
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from typing import TextIO
+from collections.abc import Iterator
 
 import torch
 
-from lab import signals
+from lab import logs, signals
 from lab.config import ConfigError
 
-
-class WholeLines(io.TextIOBase):
-    """The launcher's stdout while its worker subprocesses run: each thread's text goes out in whole lines, one
-    write each. `print` writes a line and its newline apart, so a line forwarded from a worker could otherwise land
-    between them and run two workers' lines together."""
-
-    def __init__(self, out: TextIO):
-        self.out = out
-        self.lock = threading.Lock()
-        self.pending: dict[int, str] = {}  # per thread, text after its last newline
-
-    def write(self, text: str) -> int:
-        me = threading.get_ident()
-        with self.lock:
-            whole, newline, rest = (self.pending.pop(me, "") + text).rpartition("\n")
-            if newline:
-                self.out.write(whole + newline)
-                self.out.flush()
-            if rest:
-                self.pending[me] = rest
-        return len(text)
-
-    def flush(self) -> None:
-        with self.lock:
-            self.out.flush()
-
-    def close_lines(self) -> None:
-        """Ends what any thread left without a newline, each on a line of its own."""
-        with self.lock:
-            for rest in self.pending.values():
-                self.out.write(rest + "\n")
-            self.pending.clear()
-            self.out.flush()
+logger = logging.getLogger(__name__)
 
 
 class _Reader(threading.Thread):
-    """Forwards a worker subprocess's output line by line, prefixed with the worker's number."""
+    """Forwards a worker subprocess's output (its stdout and stderr) to this process's stderr line by line: its
+    log records as they are (they name the worker), any other line (its command's output, a traceback) as a
+    record of this process that names the worker."""
 
-    def __init__(self, proc: subprocess.Popen, prefix: str, log: Callable[[str], None]):
+    def __init__(self, proc: subprocess.Popen, worker: str):
         super().__init__(daemon=True)
-        self.proc, self.prefix, self.log = proc, prefix, log
+        self.proc, self.worker = proc, worker
 
     def run(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.log(self.prefix + line.rstrip())
+            logs.forward(line, self.worker, logger.name)
 
 
 def gpu_placement(count: int, gpus: list[int] | None, device_count: int, visible: str | None) -> list[str | None]:
@@ -94,17 +65,16 @@ def _spawn(
     extra: list[str],
     threads: int | None,
     index: int,
-    log: Callable[[str], None],
     gpu: str | None = None,
 ) -> tuple[subprocess.Popen, _Reader]:
-    cmd = [sys.executable, "-m", "lab.cli", *worker_args, "--no-progress", *extra]
+    cmd = [sys.executable, "-m", "lab.cli", *worker_args, "--no-progress", *logs.flags(), *extra]
     if threads:
         cmd.append(f"threads={threads}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LAB_WORKER_INDEX": str(index)}
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    reader = _Reader(proc, f"[w{index}] ", log)
+    reader = _Reader(proc, str(index))
     reader.start()
     return proc, reader
 
@@ -115,18 +85,15 @@ def worker_subprocesses(
     extra: list[str],
     threads: int | None,
     count: int,
-    log: Callable[[str], None],
     gpus: list[str | None] | None = None,
 ) -> Iterator[None]:
     """`count` worker subprocesses (numbered 1..count; worker i on GPU `gpus[i]`, `gpu_placement`'s) for the
     duration of the block. An exception in the block (Ctrl-C) interrupts them: each re-enqueues its trial and
     exits. At the end each is waited for (a minute at most, then killed)."""
-    lines = WholeLines(sys.stdout)
     gpus = gpus or [None] * (count + 1)
-    procs = [_spawn(worker_args, extra, threads, i, log, gpus[i]) for i in range(1, count + 1)]
+    procs = [_spawn(worker_args, extra, threads, i, gpus[i]) for i in range(1, count + 1)]
     try:
-        with contextlib.redirect_stdout(lines) if count else contextlib.nullcontext():
-            yield
+        yield
     except BaseException as exc:
         # the signal the launcher got (Ctrl-C's for any other exception): each worker re-enqueues its trial and exits
         signum = signals.signal_of(exc).signum if isinstance(exc, KeyboardInterrupt) else signal.SIGINT
@@ -141,4 +108,3 @@ def worker_subprocesses(
             if proc.poll() is None:
                 proc.kill()
             reader.join(timeout=5)
-        lines.close_lines()

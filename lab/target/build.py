@@ -10,6 +10,7 @@ there) is built again.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from tqdm.auto import tqdm
 from lab.fsutil import IDENTITY, Identity, built_entry, file_lock, staging_dir
 from lab.schedule import warmup_cosine
 from lab.target import chat, corpus
+
+logger = logging.getLogger(__name__)
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]
@@ -270,5 +273,5 @@ def build(tcfg: DictConfig, cache_dir: str | Path, progress: bool = True) -> Pat
             }
             (tmp / BUILD_INFO).write_text(json.dumps(info, indent=1))
         if progress:
-            print(f"target {tcfg.name}: built in {seconds:.0f}s, validation loss {val_loss:.3f} -> {final}")
+            logger.info(f"target {tcfg.name}: built in {seconds:.0f}s, validation loss {val_loss:.3f} -> {final}")
     return final

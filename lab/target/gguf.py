@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,8 @@ from omegaconf import DictConfig
 from lab.assets import asset_file, check_gguf_file
 from lab.config import ConfigError
 from lab.fsutil import IDENTITY, Identity, built_entry, file_lock, sha256_file, staging_dir
+
+logger = logging.getLogger(__name__)
 
 BUILD_INFO = "build.json"
 # the declared shape of a gguf target (configs/target/*.yaml) against the converted config.json
@@ -88,7 +91,7 @@ def _convert(source: Path, identity: Identity, final: Path, progress: bool) -> N
         }
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=1))
     if progress:
-        print(f"target: converted {source.name} in {time.time() - started:.0f}s -> {final}")
+        logger.info(f"target: converted {source.name} in {time.time() - started:.0f}s -> {final}")
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ path is faster, as it drops finished rows.
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 import time
 import weakref
 from collections.abc import Callable
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lab import stamps
+logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 4, 16, 64, 256, 512)  # a batch's rows, padded up; 512 is lab.target.generate.HF_BATCH_MAX
 MIN_LENGTH = 256  # the shortest cache; longer ones double
@@ -66,22 +66,20 @@ def compiled(step: Callable, mode: str | None, dynamic: bool) -> Callable:
 
 @functools.cache
 def _log_compiles() -> None:
-    """Each compile's start and end as a time-stamped line where stages are logged (lab/stamps.py), once a process:
-    a compile costs a GPU run tens of seconds, which its log then shows."""
+    """Each compile's start and end as a log record, hooked once a process: a compile costs a GPU run tens of
+    seconds, which its log then shows."""
     from torch._dynamo import callback
 
     started: dict[str, float] = {}
 
     def start(args: callback.CallbackArgs) -> None:
         started[str(args.compile_id)] = time.perf_counter()
-        if stamps.logged():
-            trigger = getattr(getattr(args, "callback_trigger", None), "name", "compile").lower()
-            stamps.say(f"compile {args.compile_id}: start ({trigger})")
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "compile").lower()
+        logger.info(f"compile {args.compile_id}: start ({trigger})")
 
     def end(args: callback.CallbackArgs) -> None:
         seconds = time.perf_counter() - started.pop(str(args.compile_id), time.perf_counter())
-        if stamps.logged():
-            stamps.say(f"compile {args.compile_id}: end, {seconds:.1f} s")
+        logger.info(f"compile {args.compile_id}: end, {seconds:.1f} s")
 
     callback.on_compile_start(start)
     callback.on_compile_end(end)
@@ -121,7 +119,7 @@ class _Stepper:
             if device.type == "cuda":
                 torch._dynamo.mark_static_address(mask)
                 # a bucket records its CUDA graph (and the first, or the first of one row, compiles): say where
-                print(f"static KV cache: a new bucket, {rows} rows x {length} positions", file=sys.stderr, flush=True)
+                logger.info(f"static KV cache: a new bucket, {rows} rows x {length} positions")
             self.buckets[key] = _Bucket(cache, mask)
         else:
             self.buckets[key].cache.reset()

@@ -17,15 +17,17 @@ On a CPU the same path runs eagerly and decodes the dynamic cache's tokens.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lab import stamps
 from lab.target import static_decode
 from lab.target.capture import Captured
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,8 +67,8 @@ class _Stepper:
             if self.device.type == "cuda":
                 torch._dynamo.mark_static_address(keys)
                 torch._dynamo.mark_static_address(mask)
-                if stamps.logged():  # its first forward of each width records a CUDA graph
-                    stamps.say(f"static KV cache (decoder): a new bucket of {length} positions")
+                # its first forward of each width records a CUDA graph
+                logger.info(f"static KV cache (decoder): a new bucket of {length} positions")
             self.buckets[length] = _Bucket(cache, keys, mask, length)
         return self.buckets[length]
 

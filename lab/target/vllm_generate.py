@@ -18,6 +18,7 @@ own process, imports vllm.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ import traceback
 from typing import Any, TextIO
 
 from lab import exit_now
+
+logger = logging.getLogger(__name__)
 
 
 def engine_environment(job: dict, env: dict[str, str]) -> dict[str, str]:
@@ -123,11 +126,7 @@ class Stream:
         seconds = time.perf_counter() - self.since
         running = engine.get_num_unfinished_requests()
         if seconds >= self.LOG_EVERY_S or not running:
-            print(
-                f"stream: {self.finished} finished, {running} running, {self.tokens} tokens in {seconds:.1f}s",
-                file=sys.stderr,
-                flush=True,
-            )
+            logger.info(f"stream: {self.finished} finished, {running} running, {self.tokens} tokens in {seconds:.1f}s")
             self.tokens, self.finished, self.since = 0, 0, time.perf_counter()
         return finished
 
@@ -141,7 +140,7 @@ def _params(job: dict, max_tokens: int) -> Any:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m lab.target.vllm_generate JOB_JSON", file=sys.stderr)
+        sys.stderr.write("usage: python -m lab.target.vllm_generate JOB_JSON\n")
         return 2
     job = json.loads(argv[0])
     channel = protocol_channel()
@@ -151,7 +150,7 @@ def main(argv: list[str]) -> int:
         llm = build(job)
         import vllm
 
-        print(f"engine up in {time.perf_counter() - start:.1f}s (vllm {vllm.__version__})", file=sys.stderr)
+        logger.info(f"engine up in {time.perf_counter() - start:.1f}s (vllm {vllm.__version__})")
     except Exception as exc:
         reply(channel, {"error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -174,7 +173,7 @@ def main(argv: list[str]) -> int:
             outputs = generate(llm, job, request["prompts"], request["max_tokens"])
             seconds = time.perf_counter() - start
             tokens = sum(len(o) for o in outputs)
-            print(f"{len(outputs)} prompts, {tokens} tokens in {seconds:.1f}s", file=sys.stderr, flush=True)
+            logger.info(f"{len(outputs)} prompts, {tokens} tokens in {seconds:.1f}s")
             reply(channel, {"outputs": outputs, "seconds": seconds})
         except Exception as exc:
             traceback.print_exc()  # into the log, which the parent's error names

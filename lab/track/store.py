@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import mlflow
 from mlflow.tracking import MlflowClient
+
+logger = logging.getLogger(__name__)
 
 
 def local_paths(uri: str) -> Path | None:
@@ -92,7 +94,7 @@ def store_lock(uri: str, name: str, waiting: str = "") -> Iterator[None]:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if waiting:
-                    print(f"waiting: {waiting} (lock {path})", file=sys.stderr, flush=True)
+                    logger.info(f"waiting: {waiting} (lock {path})")
                 fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
@@ -108,7 +110,7 @@ def store_lock(uri: str, name: str, waiting: str = "") -> Iterator[None]:
     with _engine(uri).connect() as conn:
         if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
             if waiting:
-                print(f"waiting: {waiting}", file=sys.stderr, flush=True)
+                logger.info(f"waiting: {waiting}")
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
         conn.commit()
         try:
@@ -205,7 +207,7 @@ def _create_or_upgrade(uri: str, head: str | None) -> None:
         if not utils._all_tables_exist(engine):
             utils._initialize_tables(engine)  # creates the first schema, then migrates it to the head
         elif head is not None and (found := _schema_version(uri)) != head:
-            print(f"upgrading the MLflow store {_shown(uri)} from schema {found} to {head}", file=sys.stderr)
+            logger.warning(f"upgrading the MLflow store {_shown(uri)} from schema {found} to {head}")
             utils._upgrade_db(engine)
     finally:
         engine.dispose()

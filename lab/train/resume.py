@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import shutil
 import signal
 import threading
@@ -40,6 +41,8 @@ from lab.fsutil import (
     staging_dir,
 )
 from lab.signals import Interrupted
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FILES = ("model.safetensors", "optimizer.safetensors", "data.safetensors", "state.json", "best.safetensors")
@@ -187,7 +190,7 @@ def load(path: Path, steps: int) -> ResumeState | None:
         return None
 
     def refuse(why: str) -> None:
-        print(f"resume state {path}: {why}; ignoring it, training from scratch")
+        logger.warning(f"resume state {path}: {why}; ignoring it, training from scratch")
 
     try:
         manifest = json.loads(mf.read_text())
@@ -254,7 +257,7 @@ class StopRequest:
             return
         self.requested, self.signum, self._at = True, signum, time.monotonic()
         name = signal.Signals(signum).name
-        print(f"\n{name}: stopping after this step (a resume state is written); a second signal stops at once")
+        logger.warning(f"{name}: stopping after this step (a resume state is written); a second signal stops at once")
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
