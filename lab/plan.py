@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from lab import assets
 from lab import metrics as metric_keys
-from lab.config import DataSource, Decoder, SuiteKind, TargetKind
+from lab.config import DataSource, Decoder, SuiteKind, TargetKind, validation_depth
 from lab.config.composition import compose
 from lab.config.identity import config_hash, flatten
 from lab.config.shape import aux_layers, target_shape
@@ -532,6 +532,25 @@ def _answers(ctx: Context) -> Step:
     return Step("answers", state, size, seconds and seconds * (1 - found / len(names)), basis, key=key)
 
 
+def _validation(ctx: Context, trains: bool) -> Step:
+    """The validation set (lab/pipeline.py `_validation_set`): its prompts chosen from the training split each
+    run, and the target's greedy answers to them, cached as a suite's are."""
+    cfg, t = ctx.cfg, ctx.cfg.train
+    if t.val_prompts == 0 or not trains:
+        return Step("validation", NOT_NEEDED, "no validation pass (train.val_prompts=0, or no training here)")
+    length = (t.val_new_tokens or cfg.eval.max_new_tokens) + validation_depth(cfg)
+    size = f"{t.val_prompts} prompts held out of the training split, answers up to {length} tokens"
+    seconds, basis = typical(ctx.like("data.", "train.val_", "eval.max_new_tokens"), "validation", max)
+    return Step(
+        "validation",
+        EACH_RUN,
+        size,
+        seconds,
+        basis,
+        key=f"validation:{keyed_by(cfg, ('target.', 'data.', 'train.val_'))}",
+    )
+
+
 def _train(ctx: Context) -> Step:
     cfg, t = ctx.cfg, ctx.cfg.train
     if cfg.drafter.checkpoint:
@@ -583,6 +602,7 @@ def run_steps(ctx: Context, study: bool = False) -> list[Step]:
     return [
         ctx.found.step,
         data,
+        safely("validation", lambda: _validation(ctx, train.state != NOT_NEEDED and not reused)),
         safely("cache", lambda: _hidden(ctx, reused)),
         safely("heldout", lambda: _heldout(ctx, data)),
         safely("suites", lambda: _suites(ctx)),

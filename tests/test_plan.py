@@ -42,6 +42,7 @@ def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
     assert _states(plan) == {
         "target": TO_BUILD,
         "data": TO_BUILD,
+        "validation": EACH_RUN,
         "cache": TO_BUILD,
         "heldout": TO_BUILD,
         "suites": EACH_RUN,
