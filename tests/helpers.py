@@ -30,6 +30,12 @@ def logged(err: str) -> list[str]:
     return [m.group(1) for line in err.splitlines() if (m := LOG_LINE.match(line))]
 
 
+def unlogged(err: str) -> list[str]:
+    """The lines of `err` (a captured stderr) other than the `lab` log's INFO and DEBUG records: a refusal found
+    after the work began comes after the log's account of that work."""
+    return [line for line in err.strip().splitlines() if not re.match(r"\S+ \S+ (INFO|DEBUG) ", line)]
+
+
 @contextmanager
 def stated_threads(n: int = TEST_THREADS) -> Iterator[None]:
     """torch's intra-op threads set to `n` inside the block, and set back after it."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import TEST_THREADS, small_drafter
+from helpers import TEST_THREADS, small_drafter, unlogged
 from safetensors.torch import load_file, save_file
 
 from lab.config import ConfigError
@@ -578,7 +578,7 @@ def test_a_checkpoint_that_does_not_fit_fails_in_one_line_and_records_nothing(
     before = _snapshot(root)
     for case, (extra, line) in _bad_checkpoints(micro_target, tmp_path).items():
         assert main(["run", *_run_overrides(micro_overrides, store), *extra]) == 2, case
-        err = capsys.readouterr().err.strip().splitlines()
+        err = unlogged(capsys.readouterr().err)
         assert len(err) == 1 and err[0].startswith("error: drafter.") and line in err[0], (case, err)
         assert _snapshot(root) == before, case
 
