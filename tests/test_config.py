@@ -450,8 +450,11 @@ def test_a_stored_run_is_found_and_old_runs_are_rekeyed(tmp_path, capsys):
 
 
 def test_the_micro_profile_is_the_micro_target_data_and_quick_budgets():
-    """`profile=micro` is one word for the four groups tests and smoke runs used to spell out."""
-    four = compose(["target=micro", "data=micro", "train=quick", "eval=quick", "drafter=eagle31"])
+    """`profile=micro` is one word for the four groups tests and smoke runs would spell out, and a smaller
+    validation set."""
+    four = compose(
+        ["target=micro", "data=micro", "train=quick", "eval=quick", "drafter=eagle31", "train.val_prompts=16"]
+    )
     assert OmegaConf.to_container(compose(["profile=micro", "drafter=eagle31"])) == OmegaConf.to_container(four)
 
 
