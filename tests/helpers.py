@@ -30,6 +30,27 @@ def logged(err: str) -> list[str]:
     return [m.group(1) for line in err.splitlines() if (m := LOG_LINE.match(line))]
 
 
+def traced_steps(monkeypatch) -> list:
+    """The graphs dynamo traces of the static KV cache's step (lab/target/static_decode.py `compile_step`), each run
+    as traced: traced whole (`fullgraph`, as on CUDA) on the CPU, counted, and no step compiled before kept."""
+    import weakref
+
+    from lab.target import static_decode
+
+    graphs: list = []
+
+    def counting(gm, example_inputs):  # noqa: ANN001, ANN202 - a dynamo backend that runs the graph as traced
+        graphs.append(gm)
+        return gm.forward
+
+    def compile_step(step, device, dynamic):  # noqa: ANN001, ANN202
+        return torch.compile(step, backend=counting, fullgraph=True, dynamic=dynamic)
+
+    monkeypatch.setattr(static_decode, "compile_step", compile_step)
+    monkeypatch.setattr(static_decode, "_STEPPERS", weakref.WeakKeyDictionary())
+    return graphs
+
+
 def unlogged(err: str) -> list[str]:
     """The lines of `err` (a captured stderr) other than the `lab` log's INFO and DEBUG records: a refusal found
     after the work began comes after the log's account of that work."""

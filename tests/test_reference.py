@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import evaluate_suite
+from helpers import evaluate_suite, traced_steps
 
 from lab.config.shape import aux_layers
 from lab.data.suites import build_suite
@@ -288,18 +288,9 @@ def traced_static_steps(monkeypatch):
     """The static cache's step traced whole by dynamo on the CPU (`fullgraph`, as on CUDA), counting its graphs."""
     import weakref
 
-    from lab.target import static_decode, static_sequence
+    from lab.target import static_sequence
 
-    graphs: list = []
-
-    def counting(gm, example_inputs):  # noqa: ANN001, ANN202 - a dynamo backend that runs the graph as traced
-        graphs.append(gm)
-        return gm.forward
-
-    def compile_step(step, device, dynamic):  # noqa: ANN001, ANN202
-        return torch.compile(step, backend=counting, fullgraph=True, dynamic=dynamic)
-
-    monkeypatch.setattr(static_decode, "compile_step", compile_step)
+    graphs = traced_steps(monkeypatch)
     monkeypatch.setattr(static_sequence, "_STEPPERS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(static_sequence, "_COMPILED", {})
     return graphs

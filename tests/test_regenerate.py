@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import logged
+from helpers import logged, traced_steps
 
 from lab.data import regenerate as regen
 from lab.data.conversations import Conversation
@@ -314,23 +314,11 @@ def test_the_static_kv_cache_gives_the_dynamic_caches_tokens(micro_target, monke
     """`greedy_batch` over the static KV cache (lab/target/static_decode.py; float32 on the CPU) answers as over
     the dynamic one: prompts of different lengths, different limits, rows stopping at eos, batches padded to their
     bucket of rows. Its step traces whole (`fullgraph`: a graph break would leave eager launches in every step of
-    a CUDA graph) and once for every bucket (rows and length are symbols: a bucket compiled 34 s on an H200)."""
-    import weakref
-
-    from lab.target import static_decode
+    a CUDA graph) and once for every bucket (rows and length are symbols: a bucket's compile costs tens of seconds
+    on a card, docs/benchmarks.md)."""
     from lab.target.generate import greedy_batch
 
-    graphs = []
-
-    def counting(gm, example_inputs):  # noqa: ANN001, ANN202 - a dynamo backend that runs the graph as traced
-        graphs.append(gm)
-        return gm.forward
-
-    def compile_step(step, device, dynamic):  # noqa: ANN001, ANN202
-        return torch.compile(step, backend=counting, fullgraph=True, dynamic=dynamic)
-
-    monkeypatch.setattr(static_decode, "compile_step", compile_step)
-    monkeypatch.setattr(static_decode, "_STEPPERS", weakref.WeakKeyDictionary())
+    graphs = traced_steps(monkeypatch)
     model = micro_target.model
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, micro_target.vocab_size, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
