@@ -27,7 +27,7 @@ LLAMA_TARGET_KEYS = {"micro": "d02110f6bf34", "tiny_code": "67767844da6a"}
 RUN_HASHES = {
     (): "5da143dc1f9b",
     ("profile=micro",): "06d0cbf1fb54",
-    ("profile=quick",): "d485df2894cc",
+    ("profile=quick",): "b81974bf5a80",
     ("profile=smoke",): "63460dc4ab73",
     ("profile=micro", "drafter=eagle31"): "9440fc5308e6",
     ("profile=micro", "target=tiny_code"): "69a2b8e0b490",

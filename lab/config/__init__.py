@@ -271,8 +271,9 @@ class TrainConfig:
     reuse: bool = True
     # the validation pass: the exact AL of the drafter's rounds replayed over the target's greedy answers to
     # prompts held out of the training data (never trained on), every val_every steps and after the last; the
-    # curves `val/...` (docs/metrics.md). 0: no validation pass
-    val_prompts: int = checked(64, min=0)
+    # curves `val/...` (docs/metrics.md). 32 prompts give about 800 rounds at k = 3 at the default answer length,
+    # for about 7 % of the default training's time (docs/benchmarks.md#the-validation-pass). 0: no validation pass
+    val_prompts: int = checked(32, min=0)
     val_every: int | None = checked(None, **POSITIVE)  # None: a fifth of train.steps (at least 1)
     val_new_tokens: int | None = checked(None, **POSITIVE)  # the validation answers' length; None: eval.max_new_tokens
     select: Select = Select.last  # the checkpoint a run keeps: the last, or the best exact validation AL
