@@ -161,7 +161,7 @@ def default_sigint() -> None:
 def start(cmd: list[str], work: Path, log: Path) -> tuple[subprocess.Popen, Output]:
     """`cmd` in a session of its own (a job's process group), SIGINT at its default even where this benchmark was
     started in the background (which a child would otherwise inherit as ignored)."""
-    env = {**os.environ, "LAB_LOG_STAGES": "1", "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
