@@ -159,7 +159,7 @@ def default_sigint() -> None:
 
 
 def start(cmd: list[str], work: Path, log: Path) -> tuple[subprocess.Popen, Output]:
-    """`cmd` in a session of its own (a job's process group), SIGINT at its default even where this benchmark was
+    """`cmd` in a process group of its own (as a job's), SIGINT at its default even where this benchmark was
     started in the background (which a child would otherwise inherit as ignored)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
     proc = subprocess.Popen(

