@@ -272,7 +272,7 @@ class StepBound:
 
 def default_step_bound(steps: int) -> StepBound:
     """`steps` training steps of the default run's drafter on random captured states (SmolLM2-135M's shape, as
-    benchmarks/validation_cost.py `--synthetic` builds it), a resume state written after each: the medians after
+    lab/measure.py builds it), a resume state written after each: the medians after
     the first step, which warms up."""
     import statistics
 
@@ -280,21 +280,17 @@ def default_step_bound(steps: int) -> StepBound:
 
     from lab.config.composition import compose
     from lab.config.shape import aux_layers
-    from lab.data.cache import HiddenStates
     from lab.drafter import init_drafter
+    from lab.measure import synthetic_states, synthetic_target
     from lab.train.resume import ResumeWriter
     from lab.train.ttt import train
 
     cfg = compose([])
-    t, layers, gen = cfg.target, aux_layers(cfg), torch.Generator().manual_seed(0)
-    h, v, n, seq = t.hidden_size, t.vocab_size, 2 * cfg.train.batch_size, cfg.data.seq_len
-    target = _synthetic_target(cfg, gen)
-    drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, torch.ones(v))
-    ids = torch.randint(0, v, (n, seq), generator=gen)
-    mask = torch.zeros(n, seq, dtype=torch.uint8)
-    mask[:, seq // 4 :] = 1
-    aux = torch.randn(n, seq, len(layers) * h, generator=gen).to(torch.bfloat16)
-    data = HiddenStates(ids, mask, aux, torch.randn(n, seq, h, generator=gen).to(torch.bfloat16), None)
+    t, seq = cfg.target, cfg.data.seq_len
+    h, v = t.hidden_size, t.vocab_size
+    target = synthetic_target(cfg, kv_heads=3)  # SmolLM2's KV heads
+    drafter = init_drafter(target, cfg.drafter, aux_layers(cfg), cfg.seed, torch.ones(v))
+    data = synthetic_states(cfg, 2 * cfg.train.batch_size)
     tcfg = cfg.train.copy()
     tcfg.steps, tcfg.warmup_steps, tcfg.log_every, tcfg.resume_every = steps, 1, 1, 1
     logged, written, write_s = [], [], []
@@ -326,32 +322,6 @@ def default_step_bound(steps: int) -> StepBound:
         f"{tcfg.batch_size} x {seq} tokens, TTT {tcfg.ttt_length}"
     )
     return StepBound(statistics.median(step_s[1:]), statistics.median(write_s[1:]), size, shape)
-
-
-def _synthetic_target(cfg, gen):
-    """The configured target's shape with random embedding and head weights (what a drafter reads of it)."""
-    from types import SimpleNamespace
-
-    import torch
-    from transformers import LlamaConfig
-
-    t = cfg.target
-    config = LlamaConfig(
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        num_attention_heads=t.num_heads,
-        num_key_value_heads=3,
-        head_dim=t.hidden_size // t.num_heads,
-        num_hidden_layers=t.num_layers,
-        intermediate_size=t.intermediate_size,
-        max_position_embeddings=t.max_positions,
-        rope_theta=t.rope_theta,
-    )
-    return SimpleNamespace(
-        model=SimpleNamespace(config=config),
-        embed_weight=torch.randn(t.vocab_size, t.hidden_size, generator=gen) * 0.02,
-        lm_head_weight=torch.randn(t.vocab_size, t.hidden_size, generator=gen) * 0.02,
-    )
 
 
 def print_table(cases: list[Case]) -> None:

@@ -27,9 +27,9 @@ from lab.config import select_k, val_every, validation_depth
 from lab.config.composition import compose
 from lab.config.shape import aux_layers
 from lab.data.answers import Answers
-from lab.data.cache import HiddenStates
 from lab.drafter import init_drafter
 from lab.eval.validation import ValidationSet, validate
+from lab.measure import synthetic_states, synthetic_target
 from lab.pipeline import prepare, training_loss
 from lab.train.ttt import Validation, ValidationPass, train
 
@@ -112,29 +112,12 @@ def main() -> None:
 def synthetic(cfg, repeats: int, kv_heads: int, prompt_len: int) -> None:
     """A training step of the config's shapes and a validation pass over its prompts, random weights and data,
     timed alternately (medians of `repeats`, after one of each to warm up), and the passes' share of training."""
-    from types import SimpleNamespace
-
-    from transformers import LlamaConfig
-
     t, layers, depth = cfg.target, aux_layers(cfg), validation_depth(cfg)
-    config = LlamaConfig(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, num_attention_heads=t.num_heads,
-        num_key_value_heads=kv_heads, head_dim=t.hidden_size // t.num_heads, num_hidden_layers=t.num_layers,
-        intermediate_size=t.intermediate_size, max_position_embeddings=t.max_positions, rope_theta=t.rope_theta,
-    )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    h, v, n, seq = t.hidden_size, t.vocab_size, 4 * cfg.train.batch_size, cfg.data.seq_len
-    target = SimpleNamespace(
-        model=SimpleNamespace(config=config),
-        embed_weight=torch.randn(v, h, generator=gen) * 0.02,
-        lm_head_weight=torch.randn(v, h, generator=gen) * 0.02,
-    )
+    h, v, seq = t.hidden_size, t.vocab_size, cfg.data.seq_len
+    target = synthetic_target(cfg, kv_heads)
     drafter = init_drafter(target, cfg.drafter, layers, cfg.seed, torch.ones(v))
-    ids = torch.randint(0, v, (n, seq), generator=gen)
-    mask = torch.zeros(n, seq, dtype=torch.uint8)
-    mask[:, seq // 4 :] = 1
-    aux = torch.randn(n, seq, len(layers) * h, generator=gen).to(torch.bfloat16)
-    data = HiddenStates(ids, mask, aux, torch.randn(n, seq, h, generator=gen).to(torch.bfloat16), None)
+    data = synthetic_states(cfg, 4 * cfg.train.batch_size)
     new = cfg.train.val_new_tokens or cfg.eval.max_new_tokens
     length, prompts = prompt_len + new + depth, cfg.train.val_prompts
     sequences = torch.randint(0, v, (prompts, length), generator=gen).tolist()

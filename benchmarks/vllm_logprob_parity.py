@@ -19,7 +19,8 @@ import time
 from lab.config.composition import compose
 from lab.config.shape import TORCH_ROTARY_OPS, vllm_engine_options
 from lab.data.suites import build_suite
-from lab.pipeline import set_threads, thread_count
+from lab.device import thread_count
+from lab.pipeline import set_threads
 from lab.target import load
 from lab.target.generate import _VllmWorker, hf_token_logprobs, resolve_dtype
 

@@ -19,10 +19,11 @@ from lab import metrics as metric_keys
 from lab import track
 from lab.config.composition import compose
 from lab.data.suites import build_suite
+from lab.device import thread_count
 from lab.drafter import load_checkpoint
 from lab.eval import vllm_backend
 from lab.eval.evaluate import EvalOptions, evaluate_suite_prompts
-from lab.pipeline import set_threads, thread_count
+from lab.pipeline import set_threads
 from lab.target import load
 
 

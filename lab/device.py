@@ -10,6 +10,7 @@ computes in a narrower dtype the drafter's forward runs under autocast in it (`a
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -35,6 +36,12 @@ def resolve_device(cfg: Any) -> tuple[torch.device, torch.dtype]:
     if dtype == "auto":
         dtype = "float32" if device != "cuda" else "bfloat16" if _bf16_problem() is None else "float16"
     return torch.device(device), DTYPES[dtype]
+
+
+def thread_count(cfg: Any) -> int:
+    """`threads`, at most the machine's cores (None: all of them)."""
+    cores = os.cpu_count() or 1
+    return min(cfg.threads, cores) if cfg.threads else cores
 
 
 def _bf16_problem() -> str | None:

@@ -41,6 +41,7 @@ from lab.data.code_data import Sequences
 from lab.data.regenerate import regenerate
 from lab.data.suites import Suite, build_suite
 from lab.data.validation import validation_prompts
+from lab.device import thread_count
 from lab.drafter import Eagle3Drafter, init_drafter, load_checkpoint, save_native
 from lab.drafter import imported as imported_drafter
 from lab.drafter.formats import CheckpointError, CheckpointInfo
@@ -79,12 +80,6 @@ class RunResult:
 
 VALIDATION_RECORDS = "per_prompt/val.json"  # every validation pass's per-prompt counts
 SELECTION_TAGS = ("selected_step", "selected_why")  # the checkpoint a run kept (train.select), and why
-
-
-def thread_count(cfg: DictConfig) -> int:
-    """`threads`, at most the machine's cores (None: all of them)."""
-    cores = os.cpu_count() or 1
-    return min(cfg.threads, cores) if cfg.threads else cores
 
 
 def set_threads(cfg: DictConfig) -> None:

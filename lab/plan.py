@@ -8,13 +8,16 @@ built target lends its tokenizer to the keys that hash token ids. Two keys hash 
 gives: a regeneration counts as cached when its entry holds as many conversations as the run asks for, and the
 held-out states and answers of conversations when entries of this target, precision and captured layers are there.
 Rates come from this machine's finished runs in the store (`time/{stage}_s` and the caches' build seconds, scaled
-by size) and from the targets built in the cache (their build.json).
+by size) and from the targets built in the cache (their build.json); where neither has one for the regeneration,
+the capture, the held-out states or the training, from a few seconds of measurement at the run's shapes
+(lab/measure.py), recorded in the cache for the next plan (a dry run's is not recorded: it writes no file).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import socket
 import statistics
@@ -29,7 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 
-from lab import assets
+from lab import assets, measure
 from lab import metrics as metric_keys
 from lab.config import DataSource, Decoder, SuiteKind, TargetKind, validation_depth
 from lab.config.composition import compose
@@ -47,6 +50,8 @@ from lab.target.load import _hf_fingerprint
 from lab.track.liveness import WORKER
 from lab.track.queries import RunRecord, finished_runs
 from lab.train import resume
+
+logger = logging.getLogger(__name__)
 
 CACHED, TO_BUILD, PARTLY, EACH_RUN = "cached", "to build", "partly cached", "each run"
 REUSED, NOT_NEEDED, FINISHED, UNKNOWN, TO_TRAIN = "reused", "not needed", "finished", "unknown", "to train"
@@ -133,9 +138,10 @@ class History:
     uri: str
     runs: list[RunRecord]
     builds: list[dict]
+    record: bool = True  # whether rates measured for the plan are recorded in the cache (not by a dry run)
 
     @classmethod
-    def read(cls, cfg: DictConfig) -> History:
+    def read(cls, cfg: DictConfig, record: bool = True) -> History:
         host = socket.gethostname()
         runs = [r for r in stored_runs(cfg.tracking.uri) if r.tags.get(WORKER, "").rpartition(":")[0] == host]
         builds = []
@@ -143,7 +149,7 @@ class History:
             record = read_manifest(info.parent, info.name)
             if isinstance(record, dict):
                 builds.append({**record, "folder": info.parent.name})
-        return cls(cfg.tracking.uri, runs, builds)
+        return cls(cfg.tracking.uri, runs, builds, record)
 
     def like(self, cfg: DictConfig, keys: tuple[str, ...]) -> list[RunRecord]:
         """The runs that logged `cfg`'s values of `keys` (a key ending in "." stands for every key under it); a key
@@ -359,6 +365,23 @@ class Context:
     def like(self, *keys: str) -> list[RunRecord]:
         return self.history.like(self.cfg, ("target.", "dtype", "device", *keys))
 
+    @functools.cached_property
+    def rates(self) -> measure.Rates | None:
+        """This machine's rates at the run's shapes, measured where no run has timed a stage (None: they could not
+        be measured; the stage then says no rate is known)."""
+        folder = self.keyed.folder if self.keyed is not None else None
+        try:
+            return measure.rates(self.cfg, folder, record=self.history.record)
+        except Exception as exc:  # noqa: BLE001 - a plan only informs: the stage itself reports what is wrong
+            logger.warning(f"could not measure this machine's rates for the plan: {type(exc).__name__}: {exc}")
+            return None
+
+    def measured(self, found: tuple[float | None, str], units: float, rate: str, what: str) -> tuple[float | None, str]:
+        """`found` (an estimate from the store), else `units` at the measured `rate` (a `measure.Rates` field)."""
+        if found[0] is not None or not units or self.rates is None or getattr(self.rates, rate) is None:
+            return found
+        return units / getattr(self.rates, rate), f"{what} at {getattr(self.rates, rate):,.0f} tokens/s measured here"
+
 
 def _whole(path: Path, identity: Identity) -> bool:
     """Whether `path` holds an entry of `identity` with every file its manifest names (not hashed: a plan)."""
@@ -407,8 +430,14 @@ def _data(ctx: Context) -> Step:
     size = f"regenerate {wanted} conversations, each turn up to {d.max_new_tokens} tokens ({backend})"
     rate = ctx.like("data.max_new_tokens", "data.generator")
     per = metric(metric_keys.data_regen("total_generation_seconds")), metric(metric_keys.data_regen("conversations"))
+
+    def estimate(conversations: int) -> tuple[float | None, str]:  # a conversation answers at most seq_len tokens
+        bound = conversations * d.seq_len
+        what = f"at most {bound:,} tokens, transformers' decoding" + ("; vLLM's differs" if backend == "vllm" else "")
+        return ctx.measured(scaled(rate, *per, conversations), bound, "decode", what)
+
     if ctx.tokenizer is None:  # the target is not built: nothing it regenerated can be there
-        return Step("data", TO_BUILD, size, *scaled(rate, *per, wanted))
+        return Step("data", TO_BUILD, size, *estimate(wanted))
     chat = chat_format(ctx.tokenizer, d.template)
     gen_dtype = resolve_dtype(ctx.cfg.dtype.value) if backend == "vllm" else ctx.keyed.dtype_name
     identity = regenerate.regen_identity(
@@ -421,7 +450,7 @@ def _data(ctx: Context) -> Step:
     parts = [p for p in manifest.get("parts", {}).values() if (path / p["file"]).is_file()]
     todo = max(0, wanted - sum(p["conversations"] for p in parts))
     state = CACHED if not todo else f"{PARTLY} ({wanted - todo} of {wanted})" if parts else TO_BUILD
-    return Step("data", state, size, *scaled(rate, *per, todo), key=str(path))
+    return Step("data", state, size, *estimate(todo), key=str(path))
 
 
 def _sequences_path(ctx: Context) -> Path:
@@ -437,11 +466,17 @@ def _hidden(ctx: Context, reused: bool) -> Step:
         return Step("cache", NOT_NEEDED, "drafter.checkpoint: nothing to train")
     if reused:
         return Step("cache", NOT_NEEDED, "the reused drafter trains on none")
-    seconds, basis = scaled(
-        ctx.like(),
-        metric(metric_keys.cache_stat("build_seconds")),
-        product("data.seq_len", metrics=(metric_keys.data_stat("train_sequences"),)),
-        d.num_sequences * d.seq_len,
+    tokens = d.num_sequences * d.seq_len
+    seconds, basis = ctx.measured(
+        scaled(
+            ctx.like(),
+            metric(metric_keys.cache_stat("build_seconds")),
+            product("data.seq_len", metrics=(metric_keys.data_stat("train_sequences"),)),
+            tokens,
+        ),
+        tokens,
+        "prefill",
+        f"{tokens:,} tokens through the target",
     )
     if ctx.keyed is None:
         return Step("cache", TO_BUILD, size, seconds, basis)
@@ -466,7 +501,13 @@ def _hidden(ctx: Context, reused: bool) -> Step:
 def _heldout(ctx: Context, data: Step) -> Step:
     d = ctx.cfg.data
     size = f"{d.heldout_sequences} sequences x {d.seq_len} tokens"
-    seconds, basis = typical(ctx.like("data.", "drafter.aux_layers"), "heldout", max)
+    tokens = d.heldout_sequences * d.seq_len
+    seconds, basis = ctx.measured(
+        typical(ctx.like("data.", "drafter.aux_layers"), "heldout", max),
+        tokens,
+        "prefill",
+        f"{tokens:,} tokens through the target",
+    )
     if ctx.keyed is None or data.state not in (CACHED, EACH_RUN):
         return Step("heldout", TO_BUILD, size, seconds, basis)
     if d.source == DataSource.code:
@@ -567,7 +608,8 @@ def _train(ctx: Context) -> Step:
     )
 
     def work(steps: int) -> tuple[float | None, str]:  # the estimate of `steps` steps of training
-        return scaled(rate, *per, steps * t.batch_size * cfg.data.seq_len * t.ttt_length)
+        tokens = steps * t.batch_size * cfg.data.seq_len * t.ttt_length
+        return ctx.measured(scaled(rate, *per, tokens), tokens, "train", f"{tokens:,} tokens x TTT steps")
 
     if ctx.keyed is not None:
         fingerprint = ctx.keyed.fingerprint
@@ -629,9 +671,9 @@ def unknown(stage: str, exc: Exception) -> Step:
 # ------------------------------------------------------------------------------------------------------ the plans
 
 
-def run_plan(cfg: DictConfig) -> Plan:
-    """The plan of `lab run` with `cfg`."""
-    history = History.read(cfg)
+def run_plan(cfg: DictConfig, record: bool = True) -> Plan:
+    """The plan of `lab run` with `cfg` (`record`: whether rates it measures are recorded in the cache)."""
+    history = History.read(cfg, record)
     steps = run_steps(Context(cfg, found_target(cfg, history), history))
     title = f"plan: lab run, target {cfg.target.name}, data {cfg.data.source.value}"
     return Plan(title, steps)
@@ -643,13 +685,13 @@ class _Grouped:
     arms: list[str] = field(default_factory=list)
 
 
-def study_plan(sweep: Any, extra: list[str]) -> Plan:  # sweep: lab/sweep/search_space.py `Sweep`, a grid
+def study_plan(sweep: Any, extra: list[str], record: bool = True) -> Plan:  # sweep: a grid `Sweep` (lab/sweep)
     """The plan of a grid study (`lab ablate`, `lab run -m`): the stages its runs share once each (per arm where
     the arms differ there), then each arm's training and evaluation over its seeds. A run the study already
     finished (a FINISHED run of its MLflow experiment with the point's arm and config hash) is counted finished."""
     points = sweep.points()
     runs = [(sweep.label(p), compose(sweep.trial_overrides(p, seed, extra))) for p in points for seed in sweep.seeds]
-    history = History.read(runs[0][1])
+    history = History.read(runs[0][1], record)
     done = {
         (r.tags.get("arm"), r.tags.get("config_hash")) for r in stored_runs(history.uri, {"study": sweep.experiment})
     }

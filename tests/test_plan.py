@@ -1,17 +1,20 @@
 """The plan `lab run` and `lab ablate` print before their first stage (lab/plan.py): on a fresh cache every stage is
 to build; after a micro run the target, data and hidden states are cached and the estimates come from the store,
-scaled by size; `--dry-run` prints the plan and writes nothing."""
+scaled by size, and before any run from a few seconds of measurement; `--dry-run` prints the plan and writes
+nothing."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 from pathlib import Path
 
 import pytest
 from helpers import stated_threads
 
 from lab.config.composition import compose
-from lab.plan import CACHED, EACH_RUN, NOT_NEEDED, REUSED, TO_BUILD, TO_TRAIN, run_plan
+from lab.plan import CACHED, EACH_RUN, NO_RATE, NOT_NEEDED, REUSED, TO_BUILD, TO_TRAIN, run_plan
 
 SMALL = ["train.steps=6", "eval.num_prompts=2"]  # a micro run in seconds
 
@@ -36,9 +39,16 @@ def ran(micro_overrides, micro_target, tmp_path_factory) -> list[str]:
     return overrides
 
 
-def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
+def _fresh(micro_overrides: list[str], folder: Path) -> list[str]:
     fresh = [o for o in micro_overrides if not o.startswith(("cache_dir=", "tracking."))]
-    plan = run_plan(compose([*fresh, f"cache_dir={tmp_path / 'cache'}", *SMALL, *_store(tmp_path / "store")]))
+    return [*fresh, f"cache_dir={folder / 'cache'}", *SMALL, *_store(folder / "store")]
+
+
+MEASURED = ("cache", "heldout", "train")  # the stages a fresh machine's plan estimates from its own measurement
+
+
+def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
+    plan = run_plan(compose(_fresh(micro_overrides, tmp_path)), record=False)
     assert _states(plan) == {
         "target": TO_BUILD,
         "data": TO_BUILD,
@@ -50,9 +60,31 @@ def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
         "train": TO_TRAIN,
         "eval": EACH_RUN,
     }, str(plan)
-    # no run here yet, no target built
-    assert all(step.estimate() == "no rate known on this machine" for step in plan.steps), str(plan)
+    # no run here yet, no target built: the capture, the held-out states and the training at the rates measured
+    # at their shapes, the rest unknown
+    estimates = {step.stage: step.estimate() for step in plan.steps}
+    assert all(" measured here)" in estimates[stage] for stage in MEASURED), str(plan)
+    assert {s: e for s, e in estimates.items() if s not in MEASURED} == dict.fromkeys(
+        set(estimates) - set(MEASURED), NO_RATE
+    ), str(plan)
     assert not any(tmp_path.iterdir()), "the plan wrote into a fresh folder"
+
+
+def test_the_rates_measured_are_recorded_for_the_next_plan(micro_overrides, tmp_path, caplog):
+    """A plan that is not a dry run records what it measured in the cache; the next one reads it, measuring
+    nothing, and a regenerating run's plan estimates its regeneration from the decoding measured."""
+    cfg = compose(_fresh(micro_overrides, tmp_path))
+    with caplog.at_level(logging.INFO, logger="lab.measure"):
+        first = run_plan(cfg)
+        records = list((tmp_path / "cache" / "rates").glob("*.json"))
+        assert len(records) == 1 and {"decode", "prefill", "train"} <= json.loads(records[0].read_text()).keys()
+        assert sum("measuring this machine's rates" in m for m in caplog.messages) == 1, caplog.messages
+        again = run_plan(cfg)
+        assert sum("measuring this machine's rates" in m for m in caplog.messages) == 1, "measured twice"
+    assert [s.seconds for s in again.steps] == [s.seconds for s in first.steps]
+    regenerating = compose([*_fresh(micro_overrides, tmp_path), "data=sharegpt", "data.num_sequences=8"])
+    regen = {s.stage: s for s in run_plan(regenerating).steps}
+    assert "tokens, transformers' decoding" in regen["data"].basis and regen["data"].seconds > 0, regen["data"]
 
 
 @pytest.mark.slow

@@ -38,7 +38,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     Before the first run it prints the plan (lab/plan.py): the stages the runs share, once each, then each arm's
     training and evaluation, each cached, to build or finished, with its size and an estimate where this machine
-    has a rate. --dry-run prints the plan and starts nothing, writing no file.
+    has a rate (its runs, or a few seconds of measurement). --dry-run prints the plan and starts nothing, writing
+    no file.
     """
     from lab.sweep import experiment
 
@@ -66,7 +67,7 @@ def run_experiment(
         _study_checked(sweep, extra, every_point=True)
         from lab.plan import study_plan
 
-        print(study_plan(sweep, extra))
+        print(study_plan(sweep, extra, record=False))
         return 0
     _study_reachable(sweep, extra, every_point=not worker)
     workers = capped_workers(args)
