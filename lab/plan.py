@@ -146,9 +146,9 @@ class History:
         runs = [r for r in stored_runs(cfg.tracking.uri) if r.tags.get(WORKER, "").rpartition(":")[0] == host]
         builds = []
         for info in sorted((Path(cfg.cache_dir) / "targets").glob(f"*/{target_build.BUILD_INFO}")):
-            record = read_manifest(info.parent, info.name)
-            if isinstance(record, dict):
-                builds.append({**record, "folder": info.parent.name})
+            built = read_manifest(info.parent, info.name)
+            if isinstance(built, dict):
+                builds.append({**built, "folder": info.parent.name})
         return cls(cfg.tracking.uri, runs, builds, record)
 
     def like(self, cfg: DictConfig, keys: tuple[str, ...]) -> list[RunRecord]:

@@ -72,7 +72,7 @@ def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
 
 def test_the_rates_measured_are_recorded_for_the_next_plan(micro_overrides, tmp_path, caplog):
     """A plan that is not a dry run records what it measured in the cache; the next one reads it, measuring
-    nothing, and a regenerating run's plan estimates its regeneration from the decoding measured."""
+    nothing."""
     cfg = compose(_fresh(micro_overrides, tmp_path))
     with caplog.at_level(logging.INFO, logger="lab.measure"):
         first = run_plan(cfg)
@@ -82,9 +82,20 @@ def test_the_rates_measured_are_recorded_for_the_next_plan(micro_overrides, tmp_
         again = run_plan(cfg)
         assert sum("measuring this machine's rates" in m for m in caplog.messages) == 1, "measured twice"
     assert [s.seconds for s in again.steps] == [s.seconds for s in first.steps]
-    regenerating = compose([*_fresh(micro_overrides, tmp_path), "data=sharegpt", "data.num_sequences=8"])
-    regen = {s.stage: s for s in run_plan(regenerating).steps}
-    assert "tokens, transformers' decoding" in regen["data"].basis and regen["data"].seconds > 0, regen["data"]
+
+
+def test_a_regeneration_is_estimated_from_the_decoding_measured(micro_overrides, micro_target, tmp_path):
+    """Over the session's cache, whose micro target is built, and a fresh store: the regeneration's estimate is its
+    conversations' tokens at most, at the decoding rate measured; a dry run's plan records nothing."""
+    store = [o for o in micro_overrides if not o.startswith("tracking.")] + _store(tmp_path / "store")
+    cfg = compose(
+        [*store, *SMALL, "data=sharegpt", "data.template=chatml", "data.num_sequences=8", "data.heldout_sequences=2"]
+    )
+    steps = {s.stage: s for s in run_plan(cfg, record=False).steps}
+    assert steps["data"].state == TO_BUILD, steps["data"]
+    assert f"at most {10 * cfg.data.seq_len:,} tokens, transformers' decoding" in steps["data"].basis, steps["data"]
+    assert steps["data"].seconds > 0
+    assert not (Path(cfg.cache_dir) / "rates").exists() or not any((Path(cfg.cache_dir) / "rates").iterdir())
 
 
 @pytest.mark.slow
