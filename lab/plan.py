@@ -376,11 +376,14 @@ class Context:
             logger.warning(f"could not measure this machine's rates for the plan: {type(exc).__name__}: {exc}")
             return None
 
-    def measured(self, found: tuple[float | None, str], units: float, rate: str, what: str) -> tuple[float | None, str]:
+    def measured(
+        self, found: tuple[float | None, str], units: float, rate: str, what: str, note: str = ""
+    ) -> tuple[float | None, str]:
         """`found` (an estimate from the store), else `units` at the measured `rate` (a `measure.Rates` field)."""
-        if found[0] is not None or not units or self.rates is None or getattr(self.rates, rate) is None:
+        per_second = getattr(self.rates, rate) if found[0] is None and units and self.rates is not None else None
+        if per_second is None:
             return found
-        return units / getattr(self.rates, rate), f"{what} at {getattr(self.rates, rate):,.0f} tokens/s measured here"
+        return units / per_second, f"{what} at {per_second:,.0f} tokens/s measured here{note}"
 
 
 def _whole(path: Path, identity: Identity) -> bool:
@@ -433,8 +436,8 @@ def _data(ctx: Context) -> Step:
 
     def estimate(conversations: int) -> tuple[float | None, str]:  # a conversation answers at most seq_len tokens
         bound = conversations * d.seq_len
-        what = f"at most {bound:,} tokens, transformers' decoding" + ("; vLLM's differs" if backend == "vllm" else "")
-        return ctx.measured(scaled(rate, *per, conversations), bound, "decode", what)
+        note = ": transformers' decoding" + (", not vLLM's" if backend == "vllm" else "")
+        return ctx.measured(scaled(rate, *per, conversations), bound, "decode", f"at most {bound:,} tokens", note)
 
     if ctx.tokenizer is None:  # the target is not built: nothing it regenerated can be there
         return Step("data", TO_BUILD, size, *estimate(wanted))
@@ -466,20 +469,16 @@ def _hidden(ctx: Context, reused: bool) -> Step:
         return Step("cache", NOT_NEEDED, "drafter.checkpoint: nothing to train")
     if reused:
         return Step("cache", NOT_NEEDED, "the reused drafter trains on none")
-    tokens = d.num_sequences * d.seq_len
-    seconds, basis = ctx.measured(
-        scaled(
-            ctx.like(),
-            metric(metric_keys.cache_stat("build_seconds")),
-            product("data.seq_len", metrics=(metric_keys.data_stat("train_sequences"),)),
-            tokens,
-        ),
-        tokens,
-        "prefill",
-        f"{tokens:,} tokens through the target",
-    )
+
+    def estimate(left: float = 1.0) -> tuple[float | None, str]:  # `left`: the share of the sequences to capture
+        tokens = d.num_sequences * d.seq_len * left
+        seconds_of = metric(metric_keys.cache_stat("build_seconds"))
+        units_of = product("data.seq_len", metrics=(metric_keys.data_stat("train_sequences"),))
+        found = scaled(ctx.like(), seconds_of, units_of, tokens)
+        return ctx.measured(found, tokens, "prefill", f"{tokens:,.0f} tokens through the target")
+
     if ctx.keyed is None:
-        return Step("cache", TO_BUILD, size, seconds, basis)
+        return Step("cache", TO_BUILD, size, *estimate())
     identity = cache.hidden_identity(ctx.keyed, d, ctx.layers)
     path = Path(ctx.cfg.cache_dir) / "hidden" / identity.key()
     if _whole(path, identity):
@@ -488,33 +487,35 @@ def _hidden(ctx: Context, reused: bool) -> Step:
     total = -(-d.num_sequences // cache.SHARD_SEQUENCES)
     if shards:
         return Step(
-            "cache",
-            f"{PARTLY} ({shards} of {total} shards)",
-            size,
-            seconds and seconds * (1 - shards / total),
-            basis,
-            key=str(path),
+            "cache", f"{PARTLY} ({shards} of {total} shards)", size, *estimate(1 - shards / total), key=str(path)
         )
-    return Step("cache", TO_BUILD, size, seconds, basis, key=str(path))
+    return Step("cache", TO_BUILD, size, *estimate(), key=str(path))
 
 
 def _heldout(ctx: Context, data: Step) -> Step:
     d = ctx.cfg.data
     size = f"{d.heldout_sequences} sequences x {d.seq_len} tokens"
-    tokens = d.heldout_sequences * d.seq_len
-    seconds, basis = ctx.measured(
-        typical(ctx.like("data.", "drafter.aux_layers"), "heldout", max),
-        tokens,
-        "prefill",
-        f"{tokens:,} tokens through the target",
-    )
+
+    def step(cached: bool, key: str = "") -> Step:
+        if cached:
+            return Step("heldout", CACHED, size, key=key)
+        tokens = d.heldout_sequences * d.seq_len
+        found = typical(ctx.like("data.", "drafter.aux_layers"), "heldout", max)
+        return Step(
+            "heldout",
+            TO_BUILD,
+            size,
+            *ctx.measured(found, tokens, "prefill", f"{tokens:,} tokens through the target"),
+            key=key,
+        )
+
     if ctx.keyed is None or data.state not in (CACHED, EACH_RUN):
-        return Step("heldout", TO_BUILD, size, seconds, basis)
+        return step(False)
     if d.source == DataSource.code:
         ids = load_file(str(_sequences_path(ctx) / "sequences.safetensors"))["heldout_ids"]
         identity = cache.heldout_identity(ctx.keyed, ids, ctx.layers)
         path = Path(ctx.cfg.cache_dir) / "heldout" / identity.key()
-        return Step("heldout", CACHED if _whole(path, identity) else TO_BUILD, size, seconds, basis, key=str(path))
+        return step(_whole(path, identity), str(path))
     fields = {
         "target": ctx.keyed.fingerprint,
         "dtype": str(ctx.keyed.lm_head_weight.dtype),
@@ -522,8 +523,7 @@ def _heldout(ctx: Context, data: Step) -> Step:
         "aux": ctx.layers,
         "format": cache.HELDOUT_FORMAT,
     }
-    found = _recorded(Path(ctx.cfg.cache_dir) / "heldout", fields)
-    return Step("heldout", CACHED if found else TO_BUILD, size, seconds, basis, key=f"heldout:{sorted(fields.items())}")
+    return step(bool(_recorded(Path(ctx.cfg.cache_dir) / "heldout", fields)), f"heldout:{sorted(fields.items())}")
 
 
 def _suites(ctx: Context) -> Step:

@@ -93,7 +93,8 @@ def test_a_regeneration_is_estimated_from_the_decoding_measured(micro_overrides,
     )
     steps = {s.stage: s for s in run_plan(cfg, record=False).steps}
     assert steps["data"].state == TO_BUILD, steps["data"]
-    assert f"at most {10 * cfg.data.seq_len:,} tokens, transformers' decoding" in steps["data"].basis, steps["data"]
+    assert f"at most {10 * cfg.data.seq_len:,} tokens at " in steps["data"].basis, steps["data"]
+    assert "measured here: transformers' decoding" in steps["data"].basis, steps["data"]
     assert steps["data"].seconds > 0
     assert not (Path(cfg.cache_dir) / "rates").exists() or not any((Path(cfg.cache_dir) / "rates").iterdir())
 
