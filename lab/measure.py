@@ -45,9 +45,6 @@ class Rates:
     rows: int
     seconds: float  # what measuring took
 
-    def basis(self, what: str) -> str:
-        return f"{what} measured here, random weights"
-
 
 _MEASURED: dict[Path, Rates] = {}  # this process's measurements, recorded or not: a study's runs share shapes
 

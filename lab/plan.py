@@ -2,11 +2,12 @@
 print it first, and `--dry-run` prints it and stops. Per stage (docs/design.md, "Stages and data flow"): its state,
 its size, and an estimate where this machine has a rate for it.
 
-Nothing here loads a model, runs a forward or writes a file. A stage's cache key is the stage's own, computed by
-the same identity functions over a `KeyedTarget` (what the keys read of a loaded target, without its weights); a
-built target lends its tokenizer to the keys that hash token ids. Two keys hash what only reading the conversations
-gives: a regeneration counts as cached when its entry holds as many conversations as the run asks for, and the
-held-out states and answers of conversations when entries of this target, precision and captured layers are there.
+Nothing here loads the target, and nothing but lab/measure.py's rates is written. A stage's cache key is the
+stage's own, computed by the same identity functions over a `KeyedTarget` (what the keys read of a loaded target,
+without its weights); a built target lends its tokenizer to the keys that hash token ids. Two keys hash what only
+reading the conversations gives: a regeneration counts as cached when its entry holds as many conversations as the
+run asks for, and the held-out states and answers of conversations when entries of this target, precision and
+captured layers are there.
 Rates come from this machine's finished runs in the store (`time/{stage}_s` and the caches' build seconds, scaled
 by size) and from the targets built in the cache (their build.json); where neither has one for the regeneration,
 the capture, the held-out states or the training, from a few seconds of measurement at the run's shapes
