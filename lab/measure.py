@@ -1,8 +1,9 @@
 """A few seconds of measurement: this machine's rates at a run's shapes, for the plan's estimates of the stages no
 finished run here has timed yet (lab/plan.py). The configured target's architecture (its config.json once it is
 built, else the shape its config declares) and the drafter's, with random weights and random data: greedy decoding
-with a regeneration pool's rows under way, a forward over one sequence, and a training step. Recorded under
-`{cache_dir}/rates/`, keyed by the machine, its threads and the shapes, so each is measured once.
+with a regeneration pool's rows under way, a forward over one sequence, and the trainer's step. The run after the
+plan records them under `{cache_dir}/rates/`, keyed by the machine, its threads and the shapes, so each is measured
+once; a plan alone writes nothing.
 
 The decoding is transformers' over a dynamic KV cache (`data.generator=hf`): vLLM's worker takes longer to start
 than the whole measurement, so a vLLM regeneration's estimate is made at transformers' rate and says so.
@@ -46,25 +47,30 @@ class Rates:
     seconds: float  # what measuring took
 
 
-_MEASURED: dict[Path, Rates] = {}  # this process's measurements, recorded or not: a study's runs share shapes
+_MEASURED: dict[Path, Rates] = {}  # this process's measurements not yet recorded, by where they are recorded
 
 
-def rates(cfg: DictConfig, model_dir: Path | None, record: bool = True) -> Rates:
-    """The rates recorded for this machine and `cfg`'s shapes, else measured (and, with `record`, recorded).
-    `model_dir`: the built target's folder, whose config.json is the exact architecture; None: the declared shape."""
+def rates(cfg: DictConfig, model_dir: Path | None) -> Rates:
+    """The rates recorded for this machine and `cfg`'s shapes, else measured, held for `record`. `model_dir`: the
+    built target's folder, whose config.json is the exact architecture; None: the shape the config declares."""
     path = Path(cfg.cache_dir) / RATES_DIR / f"{_key(cfg, model_dir)}.json"
     try:
         return _MEASURED.get(path) or Rates(**json.loads(path.read_text()))
     except (OSError, ValueError, TypeError):
         pass
-    logger.info(f"measuring this machine's rates at the run's shapes ({'once: recorded in ' * record}{path.parent})")
+    logger.info("measuring this machine's rates at the run's shapes (once: the run records them)")
     measured = _MEASURED[path] = measure(cfg, model_dir)
     logger.info(f"measured in {measured.seconds:.1f} s")
-    if record:
+    return measured
+
+
+def record(cache_dir: str | Path) -> None:
+    """Record under `cache_dir` the rates this process measured for it: a run does as its MLflow run opens, so
+    that a plan alone (a dry run, or a command refused before the run opens) writes nothing."""
+    for path in [p for p in _MEASURED if p.parent == Path(cache_dir) / RATES_DIR]:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as tmp:
-            tmp.write_text(json.dumps(asdict(measured)))
-    return measured
+            tmp.write_text(json.dumps(asdict(_MEASURED.pop(path))))
 
 
 def _key(cfg: DictConfig, model_dir: Path | None) -> str:
@@ -146,18 +152,16 @@ def _prefill_rate(model: Any, seq_len: int) -> float:
 
 
 def _train_rate(cfg: DictConfig) -> float:
-    """Two training steps of one sequence each: the second's tokens x TTT steps a second (the first warms up)."""
+    """The trainer's step over one sequence: its tokens x TTT steps a second."""
     from lab.drafter import init_drafter
-    from lab.train.ttt import train
+    from lab.train.ttt import step_seconds
 
     target = synthetic_target(cfg)
     drafter = init_drafter(target, cfg.drafter, aux_layers(cfg), cfg.seed, torch.ones(cfg.target.vocab_size))
     tcfg = cfg.train.copy()
-    tcfg.steps, tcfg.batch_size, tcfg.warmup_steps, tcfg.log_every, tcfg.val_prompts = 2, 1, 1, 1, 0
-    logged = [time.perf_counter()]
-    train(drafter, synthetic_states(cfg, 2), target.lm_head_weight, tcfg, cfg.seed,
-          log=lambda metrics, step: logged.append(time.perf_counter()), progress=False)  # fmt: skip
-    return cfg.data.seq_len * cfg.train.ttt_length / (logged[-1] - logged[-2])
+    tcfg.batch_size = 1
+    seconds = step_seconds(drafter, synthetic_states(cfg, 1), target.lm_head_weight, tcfg)
+    return cfg.data.seq_len * cfg.train.ttt_length / seconds
 
 
 def synthetic_target(cfg: DictConfig, kv_heads: int | None = None) -> Any:

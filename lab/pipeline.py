@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lab import measure, track
 from lab import metrics as metric_keys
-from lab import track
 from lab.config import ConfigError, DataSource, Decoder, Select, rollout_depth, select_k, val_every, validation_depth
 from lab.config.identity import CONFIG_HASH_SCHEME, arm_name, config_hash, flatten
 from lab.config.shape import aux_layers
@@ -289,6 +289,7 @@ def run(
         _records_error(mlrun),
     ):
         hooks.on_start(mlrun.id)
+        measure.record(cfg.cache_dir)  # the rates its plan measured, for the next plan; like the run, not before
         _log_params(mlrun, prepared)
         metrics: dict[str, float | list[float]] = _log_setup_metrics(mlrun, prepared)
         trained = _drafter(cfg, mlrun, prepared, resume_dir, hooks, clock, progress)

@@ -11,7 +11,7 @@ captured layers are there.
 Rates come from this machine's finished runs in the store (`time/{stage}_s` and the caches' build seconds, scaled
 by size) and from the targets built in the cache (their build.json); where neither has one for the regeneration,
 the capture, the held-out states or the training, from a few seconds of measurement at the run's shapes
-(lab/measure.py), recorded in the cache for the next plan (a dry run's is not recorded: it writes no file).
+(lab/measure.py), which the run then records in the cache for the next plan.
 """
 
 from __future__ import annotations
@@ -139,10 +139,9 @@ class History:
     uri: str
     runs: list[RunRecord]
     builds: list[dict]
-    record: bool = True  # whether rates measured for the plan are recorded in the cache (not by a dry run)
 
     @classmethod
-    def read(cls, cfg: DictConfig, record: bool = True) -> History:
+    def read(cls, cfg: DictConfig) -> History:
         host = socket.gethostname()
         runs = [r for r in stored_runs(cfg.tracking.uri) if r.tags.get(WORKER, "").rpartition(":")[0] == host]
         builds = []
@@ -150,7 +149,7 @@ class History:
             built = read_manifest(info.parent, info.name)
             if isinstance(built, dict):
                 builds.append({**built, "folder": info.parent.name})
-        return cls(cfg.tracking.uri, runs, builds, record)
+        return cls(cfg.tracking.uri, runs, builds)
 
     def like(self, cfg: DictConfig, keys: tuple[str, ...]) -> list[RunRecord]:
         """The runs that logged `cfg`'s values of `keys` (a key ending in "." stands for every key under it); a key
@@ -372,7 +371,7 @@ class Context:
         be measured; the stage then says no rate is known)."""
         folder = self.keyed.folder if self.keyed is not None else None
         try:
-            return measure.rates(self.cfg, folder, record=self.history.record)
+            return measure.rates(self.cfg, folder)
         except Exception as exc:  # noqa: BLE001 - a plan only informs: the stage itself reports what is wrong
             logger.warning(f"could not measure this machine's rates for the plan: {type(exc).__name__}: {exc}")
             return None
@@ -672,9 +671,9 @@ def unknown(stage: str, exc: Exception) -> Step:
 # ------------------------------------------------------------------------------------------------------ the plans
 
 
-def run_plan(cfg: DictConfig, record: bool = True) -> Plan:
-    """The plan of `lab run` with `cfg` (`record`: whether rates it measures are recorded in the cache)."""
-    history = History.read(cfg, record)
+def run_plan(cfg: DictConfig) -> Plan:
+    """The plan of `lab run` with `cfg`."""
+    history = History.read(cfg)
     steps = run_steps(Context(cfg, found_target(cfg, history), history))
     title = f"plan: lab run, target {cfg.target.name}, data {cfg.data.source.value}"
     return Plan(title, steps)
@@ -686,13 +685,13 @@ class _Grouped:
     arms: list[str] = field(default_factory=list)
 
 
-def study_plan(sweep: Any, extra: list[str], record: bool = True) -> Plan:  # sweep: a grid `Sweep` (lab/sweep)
+def study_plan(sweep: Any, extra: list[str]) -> Plan:  # sweep: a grid `Sweep` (lab/sweep)
     """The plan of a grid study (`lab ablate`, `lab run -m`): the stages its runs share once each (per arm where
     the arms differ there), then each arm's training and evaluation over its seeds. A run the study already
     finished (a FINISHED run of its MLflow experiment with the point's arm and config hash) is counted finished."""
     points = sweep.points()
     runs = [(sweep.label(p), compose(sweep.trial_overrides(p, seed, extra))) for p in points for seed in sweep.seeds]
-    history = History.read(runs[0][1], record)
+    history = History.read(runs[0][1])
     done = {
         (r.tags.get("arm"), r.tags.get("config_hash")) for r in stored_runs(history.uri, {"study": sweep.experiment})
     }

@@ -48,7 +48,7 @@ MEASURED = ("cache", "heldout", "train")  # the stages a fresh machine's plan es
 
 
 def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
-    plan = run_plan(compose(_fresh(micro_overrides, tmp_path)), record=False)
+    plan = run_plan(compose(_fresh(micro_overrides, tmp_path)))
     assert _states(plan) == {
         "target": TO_BUILD,
         "data": TO_BUILD,
@@ -70,33 +70,34 @@ def test_a_fresh_cache_has_every_stage_to_build(micro_overrides, tmp_path):
     assert not any(tmp_path.iterdir()), "the plan wrote into a fresh folder"
 
 
-def test_the_rates_measured_are_recorded_for_the_next_plan(micro_overrides, tmp_path, caplog):
-    """A plan that is not a dry run records what it measured in the cache; the next one reads it, measuring
-    nothing."""
+def test_the_rates_measured_are_recorded_by_the_run_for_the_next_plan(micro_overrides, tmp_path, caplog):
+    """A plan writes nothing; the run after it records the rates it measured (`measure.record`, as its MLflow run
+    opens), and the next plan reads them, measuring nothing, to the same estimates."""
+    from lab import measure
+
     cfg = compose(_fresh(micro_overrides, tmp_path))
     with caplog.at_level(logging.INFO, logger="lab.measure"):
         first = run_plan(cfg)
+        assert not any(tmp_path.iterdir()), "the plan wrote into a fresh folder"
+        measure.record(cfg.cache_dir)
         records = list((tmp_path / "cache" / "rates").glob("*.json"))
         assert len(records) == 1 and {"decode", "prefill", "train"} <= json.loads(records[0].read_text()).keys()
-        assert sum("measuring this machine's rates" in m for m in caplog.messages) == 1, caplog.messages
         again = run_plan(cfg)
-        assert sum("measuring this machine's rates" in m for m in caplog.messages) == 1, "measured twice"
+    assert sum("measuring this machine's rates" in m for m in caplog.messages) == 1, caplog.messages
     assert [s.seconds for s in again.steps] == [s.seconds for s in first.steps]
 
 
 def test_a_regeneration_is_estimated_from_the_decoding_measured(micro_overrides, micro_target, tmp_path):
     """Over the session's cache, whose micro target is built, and a fresh store: the regeneration's estimate is its
-    conversations' tokens at most, at the decoding rate measured; a dry run's plan records nothing."""
+    conversations' tokens at most, at the decoding rate measured."""
     store = [o for o in micro_overrides if not o.startswith("tracking.")] + _store(tmp_path / "store")
-    cfg = compose(
-        [*store, *SMALL, "data=sharegpt", "data.template=chatml", "data.num_sequences=8", "data.heldout_sequences=2"]
-    )
-    steps = {s.stage: s for s in run_plan(cfg, record=False).steps}
+    overrides = ["data=sharegpt", "data.template=chatml", "data.num_sequences=8", "data.heldout_sequences=2"]
+    cfg = compose([*store, *SMALL, *overrides])
+    steps = {s.stage: s for s in run_plan(cfg).steps}
     assert steps["data"].state == TO_BUILD, steps["data"]
     assert f"at most {10 * cfg.data.seq_len:,} tokens at " in steps["data"].basis, steps["data"]
     assert "measured here: transformers' decoding" in steps["data"].basis, steps["data"]
     assert steps["data"].seconds > 0
-    assert not (Path(cfg.cache_dir) / "rates").exists() or not any((Path(cfg.cache_dir) / "rates").iterdir())
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def run_experiment(
         _study_checked(sweep, extra, every_point=True)
         from lab.plan import study_plan
 
-        print(study_plan(sweep, extra, record=False))
+        print(study_plan(sweep, extra))
         return 0
     _study_reachable(sweep, extra, every_point=not worker)
     workers = capped_workers(args)

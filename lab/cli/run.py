@@ -44,8 +44,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     Before its first stage it prints the plan (lab/plan.py): each stage, whether the cache holds it or it is to
     build, its size, and an estimate where this machine has a rate (its earlier runs in the store, else a few
-    seconds of measurement at the run's shapes, recorded in the cache). --dry-run prints the plan and starts
-    nothing, writing no file.
+    seconds of measurement at the run's shapes, which the run records in the cache). --dry-run prints the plan and
+    starts nothing, writing no file.
     """
     if args.multirun:
         return _multirun(args)
@@ -57,7 +57,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lab.plan import run_plan  # every check has passed: the heavy imports start here
 
     if args.dry_run:
-        print(run_plan(cfg, record=False))
+        print(run_plan(cfg))
         return 0
     reachable(cfg.tracking.uri)
     print(run_plan(cfg), flush=True)

@@ -399,6 +399,24 @@ def _optimizer_step(
     return value, stats
 
 
+def step_seconds(drafter: Eagle3Drafter, data: HiddenStates, lm_head_weight: torch.Tensor, tcfg: DictConfig) -> float:
+    """Seconds of the trainer's optimizer step over the first `tcfg.batch_size` rows of `data`, the second of two
+    (the first warms up): the step alone, without the loop's log, stop request or resume state."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    scaler = torch.amp.GradScaler(params[0].device.type, enabled=lm_head_weight.dtype == torch.float16)
+    optimized = Optimized(functools.partial(ttt_loss, drafter), optimizer(params, tcfg), scaler, params,
+                          lm_head_weight, tcfg, lm_head_weight.dtype)  # fmt: skip
+    idx = torch.arange(tcfg.batch_size)
+    drafter.train()
+    seconds = []
+    for step in range(2):
+        began = time.perf_counter()
+        _optimizer_step(optimized, data, idx, tcfg.lr, step)  # reads the loss: the step has finished
+        seconds.append(time.perf_counter() - began)
+    drafter.eval()
+    return seconds[-1]
+
+
 def _progress_bar(drafter: Eagle3Drafter, tcfg: DictConfig, start: int, progress: bool) -> tqdm:
     """The training steps from `start`, as a progress bar (silent without `progress`)."""
     backend = " (torchspec)" if tcfg.backend == "torchspec" else ""
