@@ -40,10 +40,9 @@ PROMPT_TOKENS, DECODED_TOKENS = 4, 4  # a decoding measured: each row's prompt, 
 class Rates:
     """Tokens a second on this machine at one run's shapes."""
 
-    decode: float  # answered greedily, `rows` answers under way at once
+    decode: float  # answered greedily, a regeneration pool's answers under way at once
     prefill: float  # through the target's forward over one whole sequence (the hidden-state capture's)
     train: float | None  # trained: batch x sequence x TTT steps (None: train.backend=torchspec, not measured)
-    rows: int
     seconds: float  # what measuring took
 
 
@@ -95,12 +94,11 @@ def _measure(cfg: DictConfig, model_dir: Path | None) -> Rates:
     began = time.perf_counter()
     torch.manual_seed(0)  # the same random weights each time
     model = target_model(cfg, model_dir)
-    rows = CHUNK_CONVERSATIONS  # the regeneration pool's turns under way on a CPU
-    decode = _decode_rate(model, rows)
+    decode = _decode_rate(model, CHUNK_CONVERSATIONS)  # the regeneration pool's turns under way on a CPU
     prefill = _prefill_rate(model, cfg.data.seq_len)
     del model
     train = _train_rate(cfg) if cfg.train.backend == "native" else None
-    return Rates(decode, prefill, train, rows, time.perf_counter() - began)
+    return Rates(decode, prefill, train, time.perf_counter() - began)
 
 
 def target_model(cfg: DictConfig, model_dir: Path | None) -> Any:

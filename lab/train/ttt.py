@@ -311,20 +311,14 @@ def train(
     with a scaled loss so that small gradients do not flush to zero."""
     if loss is None and tcfg.backend != "native":
         raise ValueError(f"train.backend={tcfg.backend}: pass its loss (`loss=`); only the native one is the default")
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = optimizer(params, tcfg)
-    device, precision = params[0].device, lm_head_weight.dtype
-    # disabled (every call passes through) unless float16; its loss scale travels in the resume state
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == torch.float16)
+    optimized = Optimized.of(drafter, lm_head_weight, tcfg, loss)
     batches = BatchOrder(len(data), tcfg.batch_size, seed)
     metrics = TrainLog(log, tcfg.log_every, tcfg.steps)
-    resumable = Resumable(drafter, opt, scaler, batches, metrics, validation)
+    resumable = Resumable(drafter, optimized.opt, optimized.scaler, batches, metrics, validation)
     start = 0
     if resume is not None:
         resumable.restore(resume)
         start = resume.step
-    batch_loss = loss if loss is not None else functools.partial(ttt_loss, drafter)
-    optimized = Optimized(batch_loss, opt, scaler, params, lm_head_weight, tcfg, precision)
     drafter.train()
     started = time.time()
     bar = _progress_bar(drafter, tcfg, start, progress)
@@ -367,6 +361,19 @@ class Optimized:
     tcfg: DictConfig
     precision: torch.dtype
 
+    @classmethod
+    def of(
+        cls, drafter: Eagle3Drafter, lm_head_weight: torch.Tensor, tcfg: DictConfig, loss: LossFn | None
+    ) -> Optimized:
+        """AdamW over the drafter's trainable parameters, computing in `lm_head_weight`'s dtype with `loss` (None:
+        the native TTT loss)."""
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        precision = lm_head_weight.dtype
+        # disabled (every call passes through) unless float16; its loss scale travels in the resume state
+        scaler = torch.amp.GradScaler(params[0].device.type, enabled=precision == torch.float16)
+        loss = loss if loss is not None else functools.partial(ttt_loss, drafter)
+        return cls(loss, optimizer(params, tcfg), scaler, params, lm_head_weight, tcfg, precision)
+
 
 def _optimizer_step(
     o: Optimized, data: HiddenStates, idx: torch.Tensor, lr: float, step: int
@@ -402,19 +409,14 @@ def _optimizer_step(
 def step_seconds(drafter: Eagle3Drafter, data: HiddenStates, lm_head_weight: torch.Tensor, tcfg: DictConfig) -> float:
     """Seconds of the trainer's optimizer step over the first `tcfg.batch_size` rows of `data`, the second of two
     (the first warms up): the step alone, without the loop's log, stop request or resume state."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    scaler = torch.amp.GradScaler(params[0].device.type, enabled=lm_head_weight.dtype == torch.float16)
-    optimized = Optimized(functools.partial(ttt_loss, drafter), optimizer(params, tcfg), scaler, params,
-                          lm_head_weight, tcfg, lm_head_weight.dtype)  # fmt: skip
-    idx = torch.arange(tcfg.batch_size)
+    optimized, idx = Optimized.of(drafter, lm_head_weight, tcfg, None), torch.arange(tcfg.batch_size)
     drafter.train()
-    seconds = []
-    for step in range(2):
-        began = time.perf_counter()
-        _optimizer_step(optimized, data, idx, tcfg.lr, step)  # reads the loss: the step has finished
-        seconds.append(time.perf_counter() - began)
+    _optimizer_step(optimized, data, idx, tcfg.lr, 0)
+    began = time.perf_counter()
+    _optimizer_step(optimized, data, idx, tcfg.lr, 1)  # reads the loss: the step has finished
+    seconds = time.perf_counter() - began
     drafter.eval()
-    return seconds[-1]
+    return seconds
 
 
 def _progress_bar(drafter: Eagle3Drafter, tcfg: DictConfig, start: int, progress: bool) -> tqdm:
